@@ -1,0 +1,222 @@
+"""``ReliableJobsBackend``: the ``django.tasks`` backend of reliable_jobs.
+
+The backend is thin: it validates and enqueues (a database row in the
+caller's transaction, then a Redis push on commit), and reads results from
+the mirror. Running jobs is the worker's business (``worker.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from functools import cached_property
+from typing import Any
+
+import redis
+from django.core import checks
+from django.core.exceptions import ImproperlyConfigured
+from django.db import transaction
+from django.tasks import TaskResult, TaskResultStatus
+from django.tasks.backends.base import BaseTaskBackend
+from django.tasks.base import Task, TaskError
+from django.tasks.exceptions import TaskResultDoesNotExist
+from django.tasks.signals import task_enqueued
+from django.utils import timezone
+from django.utils.module_loading import import_string
+
+from . import conf, mirror, payload
+from .broker import Broker, NewJob
+from .keys import is_valid_queue_name
+from .tasks import ReliableTask, lookup
+
+logger = logging.getLogger("reliable_jobs")
+
+
+class ReliableJobsBackend(BaseTaskBackend):
+    """Redis lists for speed, the database for durability; see DESIGN.md."""
+
+    task_class = ReliableTask
+    supports_defer = True
+    supports_async_task = True
+    supports_get_result = True
+    #: Queues are FIFO lists: a priority would be stored but not honoured,
+    #: so it is refused rather than silently ignored.
+    supports_priority = False
+
+    def __init__(self, alias: str, params: dict[str, Any]) -> None:
+        super().__init__(alias, params)
+        self.config = conf.parse(self.options)
+
+    @cached_property
+    def broker(self) -> Broker:
+        """The Redis side, connected lazily (importing settings opens nothing)."""
+        self._raise_if_misconfigured()
+        return Broker(self.config.REDIS_URL, self.config.PREFIX)
+
+    @property
+    def database(self) -> str:
+        return self.config.DATABASE
+
+    def _raise_if_misconfigured(self) -> None:
+        if self.config.problems:
+            raise ImproperlyConfigured(
+                f"TASKS[{self.alias!r}] is misconfigured: "
+                + " ".join(message for _, message in self.config.problems)
+            )
+
+    # -- per-task settings ---------------------------------------------
+
+    def task_option(self, task: Task, name: str) -> Any:
+        """A task's own option, or the backend default (``timeout_ms`` -> TIMEOUT_MS)."""
+        value = getattr(task, name, None)
+        return value if value is not None else getattr(self.config, name.upper())
+
+    # -- enqueue ---------------------------------------------------------
+
+    def enqueue(self, task: Task, args: Sequence[Any], kwargs: dict[str, Any]) -> TaskResult:
+        """Write the job row now and push it to Redis when the transaction commits."""
+        self._raise_if_misconfigured()
+        self.validate_task(task)
+        text = payload.encode(task.module_path, tuple(args), dict(kwargs),
+                              max_bytes=self.config.MAX_PAYLOAD_BYTES)
+        now = timezone.now()
+        job = mirror_job(self.alias, task, args, kwargs,
+                         max_attempts=self.task_option(task, "max_attempts"), now=now)
+        mirror.insert_job(self.database, job)
+        new_job = NewJob(str(job.id), text, job.max_attempts, due_ms=_epoch_ms(task.run_after))
+        transaction.on_commit(lambda: self._push(task.queue_name, [new_job]), using=self.database)
+        result = self._result(job, task)
+        task_enqueued.send(type(self), task_result=result)
+        return result
+
+    def enqueue_many(
+        self, task: Task, calls: Iterable[tuple[Sequence[Any], dict[str, Any]]]
+    ) -> list[TaskResult]:
+        """Enqueue many calls of one task: one bulk insert, one script call per 1,000."""
+        self._raise_if_misconfigured()
+        self.validate_task(task)
+        now = timezone.now()
+        max_attempts = self.task_option(task, "max_attempts")
+        due_ms = _epoch_ms(task.run_after)
+        jobs: list[Any] = []
+        new_jobs: list[NewJob] = []
+        for args, kwargs in calls:
+            text = payload.encode(task.module_path, tuple(args), dict(kwargs),
+                                  max_bytes=self.config.MAX_PAYLOAD_BYTES)
+            job = mirror_job(self.alias, task, args, kwargs, max_attempts=max_attempts, now=now)
+            jobs.append(job)
+            new_jobs.append(NewJob(str(job.id), text, max_attempts, due_ms=due_ms))
+        with transaction.atomic(using=self.database):
+            mirror.insert_jobs(self.database, jobs)
+
+            def push() -> None:
+                for start in range(0, len(new_jobs), 1000):
+                    self._push(task.queue_name, new_jobs[start:start + 1000])
+
+            transaction.on_commit(push, using=self.database)
+        results = [self._result(job, task) for job in jobs]
+        for result in results:
+            task_enqueued.send(type(self), task_result=result)
+        return results
+
+    def _push(self, queue: str, jobs: list[NewJob]) -> None:
+        """Push committed jobs; if Redis is down the sweep's reconcile pushes them (G5)."""
+        try:
+            self.broker.enqueue(queue, jobs)
+        except redis.RedisError as exc:
+            logger.warning(
+                "Redis refused the push of %d job(s) to queue %r (%s); they are safe in the "
+                "database and the recovery sweep will push them.", len(jobs), queue, exc,
+            )
+
+    def validate_task(self, task: Task) -> None:
+        super().validate_task(task)
+        if not is_valid_queue_name(task.queue_name):
+            from django.tasks.exceptions import InvalidTask
+
+            raise InvalidTask(
+                f"Queue name {task.queue_name!r} cannot be used in Redis keys: use 1 to 100 "
+                "letters, digits, '.', '_' or '-'."
+            )
+
+    # -- results ---------------------------------------------------------
+
+    def get_result(self, result_id: str) -> TaskResult:
+        from .models import Job
+
+        try:
+            job = Job.objects.using(self.database).get(pk=uuid.UUID(str(result_id)),
+                                                        backend=self.alias)
+        except (ValueError, Job.DoesNotExist):
+            raise TaskResultDoesNotExist(result_id) from None
+        return self._result(job, self._task_for(job), attempts=list(job.attempt_set.all()))
+
+    def _task_for(self, job: Any) -> Task:
+        task = lookup(job.task_path)
+        if task is None:
+            # The path comes from our own table, written by enqueue(); it is
+            # still resolved only to an existing Task object.
+            try:
+                task = import_string(job.task_path)
+            except ImportError:
+                task = None
+        if not isinstance(task, Task):
+            raise TaskResultDoesNotExist(
+                f"Job {job.pk} names {job.task_path!r}, which is no longer a task."
+            )
+        return task
+
+    def _result(self, job: Any, task: Task, attempts: list[Any] | None = None) -> TaskResult:
+        from .models import FAILED_OUTCOMES
+
+        attempts = attempts or []
+        if job.queue != task.queue_name or job.run_after != task.run_after:
+            task = task.using(queue_name=job.queue, run_after=job.run_after)
+        result = TaskResult(
+            task=task,
+            id=str(job.pk),
+            status=job.task_status,
+            enqueued_at=job.enqueued_at,
+            started_at=job.started_at,
+            finished_at=job.finished_at,
+            last_attempted_at=max((a.started_at for a in attempts if a.started_at), default=None),
+            args=list(job.args),
+            kwargs=dict(job.kwargs),
+            backend=self.alias,
+            errors=[
+                TaskError(exception_class_path=a.exception_class_path or "builtins.Exception",
+                          traceback=a.traceback or a.error)
+                for a in attempts if a.outcome in FAILED_OUTCOMES
+            ],
+            worker_ids=[a.worker_id for a in attempts],
+        )
+        if result.status == TaskResultStatus.SUCCESSFUL:
+            object.__setattr__(result, "_return_value", job.return_value)
+        return result
+
+    # -- checks ------------------------------------------------------------
+
+    def check(self, **kwargs: Any) -> list[checks.CheckMessage]:
+        from .checks import check_backend
+
+        return check_backend(self)
+
+
+def mirror_job(alias: str, task: Task, args: Sequence[Any], kwargs: dict[str, Any], *,
+               max_attempts: int, now: datetime) -> Any:
+    """Build (unsaved) the Job row for one enqueue."""
+    from .models import Job, JobState
+
+    deferred = task.run_after is not None and task.run_after > now
+    return Job(
+        id=uuid.uuid4(), backend=alias, queue=task.queue_name, task_path=task.module_path,
+        args=list(args), kwargs=dict(kwargs), priority=task.priority,
+        state=JobState.SCHEDULED if deferred else JobState.QUEUED,
+        max_attempts=max_attempts, run_after=task.run_after, enqueued_at=now, updated_at=now,
+    )
+
+
+def _epoch_ms(moment: datetime | None) -> int:
+    return 0 if moment is None else int(moment.timestamp() * 1000)

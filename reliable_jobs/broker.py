@@ -1,0 +1,297 @@
+"""The Redis side of the queue: one typed method per Lua script.
+
+The broker is the only code that talks to Redis about jobs. It knows key
+names only through :mod:`reliable_jobs.keys` and Lua only through
+:mod:`reliable_jobs.scripts`; it holds no state beyond its connections.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from redis.commands.core import Script
+
+from . import scripts
+from .keys import QueueKeys, worker_key, workers_index
+
+#: Seconds a client waits for a reply before giving up on a dead connection.
+#: Blocking waits use their own client whose timeout exceeds the block time.
+SOCKET_TIMEOUT_S = 10.0
+#: Expired leases and due jobs handled per recover/promote call.
+SWEEP_BATCH = 1_000
+#: Ids at the tail of processing inspected for a missing lease per recover.
+ORPHAN_SCAN = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class NewJob:
+    """A job to write into Redis (fresh, or rebuilt from the mirror)."""
+
+    id: str
+    payload: str
+    max_attempts: int
+    due_ms: int = 0
+    attempts: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimedJob:
+    """A job this worker now holds: ``attempt`` is its fencing token."""
+
+    queue: str
+    id: str
+    attempt: int
+    max_attempts: int
+    payload: str
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimResult:
+    jobs: list[ClaimedJob]
+    #: (id, attempts) of jobs found with no attempt left, now dead.
+    dead: list[tuple[str, int]]
+    #: Ids found on the list with no job hash, moved aside to dead.
+    garbage: list[str]
+    remaining: int
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveredJob:
+    id: str
+    attempts: int
+    #: 'expired', 'dead', 'orphan', 'garbage' or 'dropped'; see recover.lua.
+    kind: str
+
+
+@dataclass(frozen=True, slots=True)
+class RecoverResult:
+    outcomes: list[RecoveredJob]
+    stamped: int
+
+
+@dataclass(frozen=True, slots=True)
+class QueueCounts:
+    queued: int
+    running: int
+    scheduled: int
+    dead: int
+
+
+def connect(url: str, *, socket_timeout: float | None = SOCKET_TIMEOUT_S) -> redis.Redis:
+    """Open a client for ``url`` that decodes replies to ``str``."""
+    return redis.Redis.from_url(
+        url,
+        decode_responses=True,
+        socket_timeout=socket_timeout,
+        socket_connect_timeout=5.0,
+        health_check_interval=30,
+    )
+
+
+class Broker:
+    """Typed access to one Redis server's queues under one key prefix."""
+
+    def __init__(self, url: str, prefix: str) -> None:
+        self.url = url
+        self.prefix = prefix
+        self.client = connect(url)
+        self._keys: dict[str, QueueKeys] = {}
+        self._scripts: dict[str, Script] = {
+            name: self.client.register_script(scripts.source(name))
+            for name in scripts.SCRIPT_NAMES
+        }
+        self._blocking: redis.Redis | None = None
+
+    def keys(self, queue: str) -> QueueKeys:
+        keys = self._keys.get(queue)
+        if keys is None:
+            keys = self._keys[queue] = QueueKeys(self.prefix, queue)
+        return keys
+
+    def _run(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        return self._scripts[name](keys=keys, args=args)
+
+    def close(self) -> None:
+        self.client.close()
+        if self._blocking is not None:
+            self._blocking.close()
+
+    # -- producers -------------------------------------------------------
+
+    def enqueue(self, queue: str, jobs: Iterable[NewJob]) -> int:
+        """Write jobs and make them runnable; existing job hashes are kept."""
+        k = self.keys(queue)
+        args: list[Any] = []
+        for job in jobs:
+            args += (job.id, job.payload, job.max_attempts, job.due_ms, job.attempts)
+        if not args:
+            return 0
+        return int(self._run("enqueue", (k.queued, k.scheduled, k.wake, k.job_prefix), args))
+
+    # -- workers ---------------------------------------------------------
+
+    def wait(self, queues: Sequence[str], timeout_s: float) -> tuple[str, str | None] | None:
+        """Block until one of ``queues`` has work, for at most ``timeout_s``.
+
+        One queue: ``BLMOVE queued processing`` returns the moved id, which
+        the caller must stamp with :meth:`claim` (``moved_id``). Several
+        queues: one ``BLPOP`` over their wake markers (one connection for
+        any number of queues); the caller then claims from the queue named.
+        Returns ``(queue, moved id or None)``, or None on timeout.
+        """
+        client = self._blocking_client()
+        if len(queues) == 1:
+            k = self.keys(queues[0])
+            moved = client.blmove(k.queued, k.processing, timeout_s, "RIGHT", "LEFT")
+            return (queues[0], moved) if moved is not None else None
+        reply = client.blpop([self.keys(q).wake for q in queues], timeout=timeout_s)
+        if reply is None:
+            return None
+        woken = reply[0]
+        for queue in queues:
+            if self.keys(queue).wake == woken:
+                return queue, None
+        return None
+
+    def _blocking_client(self) -> redis.Redis:
+        if self._blocking is None:
+            # Longer than any block we ask for, so the client never times out
+            # a healthy wait (MACHINE.md: it would retry for many seconds).
+            self._blocking = connect(self.url, socket_timeout=SOCKET_TIMEOUT_S + 5.0)
+        return self._blocking
+
+    def claim(
+        self, queue: str, *, count: int, lease_ms: int, moved_id: str | None = None
+    ) -> ClaimResult:
+        """Claim up to ``count`` jobs (plus ``moved_id``) and stamp their leases."""
+        k = self.keys(queue)
+        jobs_flat, dead_flat, garbage, remaining = self._run(
+            "claim",
+            (k.queued, k.processing, k.leases, k.dead, k.wake, k.job_prefix),
+            (max(count, 1 if moved_id else 0), lease_ms, moved_id or ""),
+        )
+        jobs = [
+            ClaimedJob(queue, jobs_flat[i], int(jobs_flat[i + 1]), int(jobs_flat[i + 2]),
+                       jobs_flat[i + 3])
+            for i in range(0, len(jobs_flat), 4)
+        ]
+        dead = [(dead_flat[i], int(dead_flat[i + 1])) for i in range(0, len(dead_flat), 2)]
+        return ClaimResult(jobs, dead, list(garbage), int(remaining))
+
+    def ack(self, queue: str, held: Sequence[tuple[str, int]]) -> list[bool]:
+        """Finish succeeded jobs; False where the attempt is no longer held."""
+        if not held:
+            return []
+        k = self.keys(queue)
+        args = [x for job_id, attempt in held for x in (job_id, attempt)]
+        return [bool(r) for r in self._run("ack", (k.processing, k.leases, k.job_prefix), args)]
+
+    def nack(self, queue: str, failed: Sequence[tuple[str, int, int, str]]) -> list[bool]:
+        """Apply (id, attempt, delay_ms or -1 for dead, error) decisions, fenced."""
+        if not failed:
+            return []
+        k = self.keys(queue)
+        args = [x for entry in failed for x in entry]
+        keys = (k.queued, k.processing, k.leases, k.scheduled, k.dead, k.wake, k.job_prefix)
+        return [bool(r) for r in self._run("nack", keys, args)]
+
+    def extend(self, queue: str, held: Sequence[tuple[str, int]], *, lease_ms: int) -> list[bool]:
+        """Renew leases of held attempts; False where the attempt was lost."""
+        if not held:
+            return []
+        k = self.keys(queue)
+        args: list[Any] = [lease_ms]
+        args += [x for job_id, attempt in held for x in (job_id, attempt)]
+        return [bool(r) for r in self._run("extend", (k.leases, k.job_prefix), args)]
+
+    def release(self, queue: str, held: Sequence[tuple[str, int, bool]]) -> list[bool]:
+        """Put (id, attempt, started) back on queued at once (graceful stop)."""
+        if not held:
+            return []
+        k = self.keys(queue)
+        args = [x for job_id, attempt, started in held for x in (job_id, attempt, int(started))]
+        keys = (k.queued, k.processing, k.leases, k.wake, k.job_prefix)
+        return [bool(r) for r in self._run("release", keys, args)]
+
+    # -- the sweep -------------------------------------------------------
+
+    def recover(self, queue: str, *, lease_ms: int, limit: int = SWEEP_BATCH) -> RecoverResult:
+        """Requeue (or bury) jobs whose lease expired; lease new orphans."""
+        k = self.keys(queue)
+        outcomes_flat, stamped = self._run(
+            "recover",
+            (k.queued, k.processing, k.leases, k.dead, k.wake, k.job_prefix),
+            (limit, lease_ms, ORPHAN_SCAN),
+        )
+        outcomes = [
+            RecoveredJob(outcomes_flat[i], int(outcomes_flat[i + 1]), outcomes_flat[i + 2])
+            for i in range(0, len(outcomes_flat), 3)
+        ]
+        return RecoverResult(outcomes, int(stamped))
+
+    def promote(self, queue: str, *, limit: int = SWEEP_BATCH) -> int:
+        """Move due scheduled jobs onto queued."""
+        k = self.keys(queue)
+        return int(self._run("promote", (k.queued, k.scheduled, k.wake, k.job_prefix), (limit,)))
+
+    def held_states(self, queue: str, job_ids: Sequence[str]) -> dict[str, dict[str, str]]:
+        """Return the state, attempts and last_error of each job Redis holds."""
+        k = self.keys(queue)
+        with self.client.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.hmget(k.job(job_id), "state", "attempts", "last_error")
+            replies = pipe.execute()
+        return {
+            job_id: {"state": state, "attempts": attempts or "0", "last_error": error or ""}
+            for job_id, (state, attempts, error) in zip(job_ids, replies, strict=True)
+            if state is not None
+        }
+
+    # -- staff actions ---------------------------------------------------
+
+    def cancel(self, queue: str, job_id: str) -> tuple[bool, str]:
+        """Cancel a job that has not started; returns (cancelled, state found)."""
+        k = self.keys(queue)
+        cancelled, state = self._run("cancel", (k.queued, k.scheduled, k.job_prefix), (job_id,))
+        return bool(cancelled), state
+
+    def revive(self, queue: str, job_id: str, *, extra_attempts: int) -> bool:
+        """Queue a dead job again with ``extra_attempts`` more attempts."""
+        k = self.keys(queue)
+        keys = (k.queued, k.dead, k.wake, k.job_prefix)
+        return bool(self._run("revive", keys, (job_id, extra_attempts)))
+
+    # -- observability ---------------------------------------------------
+
+    def counts(self, queue: str) -> QueueCounts:
+        k = self.keys(queue)
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.llen(k.queued)
+            pipe.llen(k.processing)
+            pipe.zcard(k.scheduled)
+            pipe.zcard(k.dead)
+            queued, running, scheduled, dead = pipe.execute()
+        return QueueCounts(queued, running, scheduled, dead)
+
+    def heartbeat(self, worker_id: str, info: dict[str, Any], *, ttl_ms: int) -> None:
+        """Record that a worker is alive, with what it holds, for ``ttl_ms``."""
+        now_ms = int(time.time() * 1000)
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.set(worker_key(self.prefix, worker_id), json.dumps(info), px=ttl_ms)
+            pipe.zadd(workers_index(self.prefix), {worker_id: now_ms})
+            pipe.execute()
+
+    def forget_worker(self, worker_id: str) -> None:
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.delete(worker_key(self.prefix, worker_id))
+            pipe.zrem(workers_index(self.prefix), worker_id)
+            pipe.execute()
+
+    def server_time_ms(self) -> int:
+        seconds, micros = self.client.time()
+        return int(seconds) * 1000 + int(micros) // 1000

@@ -1,0 +1,88 @@
+"""System checks for ``ReliableJobsBackend`` settings, with stable ids.
+
+``manage.py check`` reports every problem at once, instead of the first
+enqueue failing in production. Ids:
+
+- E001 unknown OPTIONS key (a typo), E002 bad REDIS_URL, E003 bad value,
+  E004 MAX_ATTEMPTS < 1, E005 unusable PREFIX or queue name, E006 lease not
+  longer than its renewal interval, E007 reconcile grace shorter than a
+  lease, E008 DATABASE alias unknown, E009 app not in INSTALLED_APPS.
+- W001 Redis does not answer (a warning: it may start after the web app).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import redis
+from django.apps import apps
+from django.conf import settings
+from django.core import checks
+
+from .broker import connect
+from .keys import is_valid_queue_name
+
+if TYPE_CHECKING:
+    from .backend import ReliableJobsBackend
+
+#: Seconds the reachability check waits for Redis.
+PING_TIMEOUT_S = 1.0
+
+
+def check_backend(backend: ReliableJobsBackend) -> list[checks.CheckMessage]:
+    where = f"TASKS[{backend.alias!r}]"
+    messages: list[checks.CheckMessage] = [
+        checks.Error(f"{where}: {message}", id=check_id)
+        for check_id, message in backend.config.problems
+    ]
+    for queue in sorted(backend.queues):
+        if not is_valid_queue_name(queue):
+            messages.append(checks.Error(
+                f"{where}: queue name {queue!r} cannot be used in Redis keys.",
+                hint="Use 1 to 100 letters, digits, '.', '_' or '-'.",
+                id="reliable_jobs.E005",
+            ))
+    if backend.config.DATABASE not in settings.DATABASES:
+        messages.append(checks.Error(
+            f"{where}: OPTIONS['DATABASE'] is {backend.config.DATABASE!r}, which is not in "
+            "DATABASES.",
+            id="reliable_jobs.E008",
+        ))
+    if not apps.is_installed("reliable_jobs"):
+        messages.append(checks.Error(
+            f"{where} uses reliable_jobs, but 'reliable_jobs' is not in INSTALLED_APPS.",
+            hint="Add 'reliable_jobs' to INSTALLED_APPS so its models and commands exist.",
+            id="reliable_jobs.E009",
+        ))
+    if not any(m.id == "reliable_jobs.E002" for m in messages):
+        messages += _check_reachable(where, backend.config.REDIS_URL)
+    return messages
+
+
+def _check_reachable(where: str, url: str) -> list[checks.CheckMessage]:
+    client = connect(url, socket_timeout=PING_TIMEOUT_S)
+    try:
+        client.ping()
+    except (redis.RedisError, OSError) as exc:
+        return [checks.Warning(
+            f"{where}: Redis at {mask_password(url)} does not answer ({exc}).",
+            hint="Jobs enqueued now wait in the database until Redis is back and the "
+                 "recovery sweep pushes them.",
+            id="reliable_jobs.W001",
+        )]
+    finally:
+        client.close()
+    return []
+
+
+def mask_password(url: str) -> str:
+    """Return ``url`` with any password replaced by ``***`` (for logs)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))

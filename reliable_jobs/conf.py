@@ -1,0 +1,147 @@
+"""The backend's OPTIONS, typed, with defaults, validated once.
+
+Options are read when the backend is built (Django rebuilds backends when
+``TASKS`` changes, so ``override_settings`` works). Problems are collected,
+not raised, so the system check can report all of them with stable ids; the
+backend raises ``ImproperlyConfigured`` only when used with bad options.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+from urllib.parse import urlsplit
+
+from .keys import PREFIX_RE
+
+#: Redis URL schemes accepted by ``redis.Redis.from_url``.
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+
+
+@dataclass(frozen=True, slots=True)
+class BackendOptions:
+    """Every OPTIONS key of ``ReliableJobsBackend``, with its default."""
+
+    #: Redis server URL: ``redis://``, ``rediss://`` (TLS) or ``unix://``.
+    REDIS_URL: str = "redis://127.0.0.1:6379/0"
+    #: First part of every Redis key, so several projects can share a server.
+    PREFIX: str = "rj"
+    #: Django database alias holding the job mirror.
+    DATABASE: str = "default"
+    #: Claims per job before it is dead (a task may override it).
+    MAX_ATTEMPTS: int = 3
+    #: First retry delay in milliseconds; doubles on each attempt.
+    RETRY_BASE_MS: int = 1_000
+    #: Cap on the retry delay in milliseconds.
+    RETRY_MAX_MS: int = 300_000
+    #: Wall-clock limit per attempt in milliseconds, or None for no limit.
+    TIMEOUT_MS: int | None = None
+    #: Lease length in milliseconds: a job whose worker stops renewing for
+    #: this long is recovered by the sweep.
+    LEASE_MS: int = 30_000
+    #: How often a worker renews the leases it holds, in milliseconds
+    #: (default: a third of LEASE_MS).
+    RENEW_INTERVAL_MS: int | None = None
+    #: Jobs a worker may hold claimed beyond those running, so that one
+    #: claim script call fetches a batch.
+    PREFETCH: int = 20
+    #: How often a worker runs promote and recover itself, in milliseconds.
+    SWEEP_INTERVAL_MS: int = 1_000
+    #: Reconcile leaves a job alone until its row has been unchanged this
+    #: long, in milliseconds (at least LEASE_MS), so it never races a push or
+    #: a mirror write that is on its way.
+    RECONCILE_GRACE_MS: int = 60_000
+    #: Largest encoded arguments accepted by enqueue, in bytes.
+    MAX_PAYLOAD_BYTES: int = 1024 * 1024
+    #: What parse() found wrong, as (check id, message) pairs.
+    problems: tuple[tuple[str, str], ...] = field(default=(), compare=False)
+
+    @property
+    def renew_interval_ms(self) -> int:
+        return self.RENEW_INTERVAL_MS or max(1, self.LEASE_MS // 3)
+
+
+OPTION_NAMES = tuple(f.name for f in fields(BackendOptions) if f.name.isupper())
+
+#: Options that must be whole numbers, with their smallest allowed value.
+_MINIMUMS = {
+    "MAX_ATTEMPTS": 1,
+    "RETRY_BASE_MS": 0,
+    "RETRY_MAX_MS": 0,
+    "TIMEOUT_MS": 1,
+    "LEASE_MS": 100,
+    "RENEW_INTERVAL_MS": 10,
+    "PREFETCH": 0,
+    "SWEEP_INTERVAL_MS": 10,
+    "RECONCILE_GRACE_MS": 0,
+    "MAX_PAYLOAD_BYTES": 64,
+}
+_OPTIONAL = {"TIMEOUT_MS", "RENEW_INTERVAL_MS"}
+
+
+def parse(raw: Any) -> BackendOptions:
+    """Build options from a TASKS OPTIONS dict, collecting every problem.
+
+    Each problem is ``(check id, whole-sentence message)``; a bad value falls
+    back to its default so the rest can still be checked.
+    """
+    problems: list[tuple[str, str]] = []
+    if not isinstance(raw, dict):
+        return BackendOptions(problems=(("reliable_jobs.E003", "OPTIONS must be a dict."),))
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in OPTION_NAMES:
+            problems.append(
+                ("reliable_jobs.E001", f"Unknown OPTIONS key {key!r}; known keys are "
+                 f"{', '.join(OPTION_NAMES)}.")
+            )
+            continue
+        if key in _MINIMUMS:
+            if value is None and key in _OPTIONAL:
+                values[key] = None
+                continue
+            minimum = _MINIMUMS[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                check_id = "reliable_jobs.E004" if key == "MAX_ATTEMPTS" else "reliable_jobs.E003"
+                problems.append(
+                    (check_id, f"OPTIONS[{key!r}] must be a whole number >= {minimum}, "
+                     f"not {value!r}.")
+                )
+                continue
+        values[key] = value
+    url = values.get("REDIS_URL", BackendOptions.REDIS_URL)
+    if not isinstance(url, str) or urlsplit(url).scheme not in REDIS_SCHEMES:
+        problems.append(
+            ("reliable_jobs.E002", f"OPTIONS['REDIS_URL'] must be a redis://, rediss:// or "
+             f"unix:// URL, not {url!r}.")
+        )
+        values.pop("REDIS_URL", None)
+    prefix = values.get("PREFIX", BackendOptions.PREFIX)
+    if not isinstance(prefix, str) or not PREFIX_RE.match(prefix):
+        problems.append(
+            ("reliable_jobs.E005", f"OPTIONS['PREFIX'] {prefix!r} is not usable in a Redis key: "
+             "use 1 to 100 letters, digits, '.', '_' or '-'.")
+        )
+        values.pop("PREFIX", None)
+    if not isinstance(values.get("DATABASE", "default"), str):
+        problems.append(("reliable_jobs.E003", "OPTIONS['DATABASE'] must be a database alias."))
+        values.pop("DATABASE")
+    options = BackendOptions(**values)
+    if options.renew_interval_ms >= options.LEASE_MS:
+        problems.append(
+            ("reliable_jobs.E006", f"OPTIONS['RENEW_INTERVAL_MS'] ({options.renew_interval_ms}) "
+             f"must be shorter than OPTIONS['LEASE_MS'] ({options.LEASE_MS}), or leases "
+             "expire between renewals.")
+        )
+    if options.RECONCILE_GRACE_MS < options.LEASE_MS:
+        problems.append(
+            ("reliable_jobs.E007", f"OPTIONS['RECONCILE_GRACE_MS'] ({options.RECONCILE_GRACE_MS})"
+             f" must be at least OPTIONS['LEASE_MS'] ({options.LEASE_MS}), or reconcile could "
+             "push a healthy job twice.")
+        )
+    if options.RETRY_MAX_MS < options.RETRY_BASE_MS:
+        problems.append(
+            ("reliable_jobs.E003", "OPTIONS['RETRY_MAX_MS'] must be at least "
+             "OPTIONS['RETRY_BASE_MS'].")
+        )
+    return BackendOptions(**values, problems=tuple(problems))

@@ -1,0 +1,40 @@
+"""Test-only crash points: ``RJ_CRASH_AT=<point>`` makes a process die there.
+
+The chaos tests start real workers with this variable set to prove that a
+crash at each step loses nothing. Unset (production), :func:`crash_point` is
+one comparison against None. ``RJ_CRASH_AFTER=N`` lets N passes survive
+first, so a crash can hit the middle of a run.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+#: The point at which to die, read once at import.
+CRASH_AT: str | None = os.environ.get("RJ_CRASH_AT") or None
+_survivors = int(os.environ.get("RJ_CRASH_AFTER", "0") or 0)
+_lock = threading.Lock()
+
+#: Every point the code declares, for tests to iterate over.
+POINTS = (
+    "after_blmove",    # id moved onto processing, claim script not yet run
+    "after_claim",     # claimed and stamped, task not started
+    "in_task",         # inside the task, before it returns
+    "before_ack",      # mirror written, Redis ack not yet sent
+    "after_ack",       # acked in Redis
+    "sweep_after_recover",  # the sweep recovered leases, mirror not yet written
+    "sweep_after_promote",  # the sweep promoted, reconcile not yet run
+)
+
+
+def crash_point(name: str) -> None:
+    """Die at once, like SIGKILL (no cleanup, no flush), if ``name`` is armed."""
+    global _survivors
+    if name != CRASH_AT:
+        return
+    with _lock:
+        if _survivors > 0:
+            _survivors -= 1
+            return
+    os._exit(86)

@@ -1,0 +1,89 @@
+"""Every Redis key name reliable_jobs uses, and nothing else.
+
+All keys of one queue carry the hash tag ``{queue}`` so that a queue lives in
+one Redis Cluster slot and every Lua script touches a single slot. No other
+module spells a key: they ask a :class:`QueueKeys` (or :func:`worker_key`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+#: Queue names may use letters, digits and ``._-`` (1 to 100 characters):
+#: braces would break the hash tag, and ``:`` would blur key boundaries.
+QUEUE_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
+#: Prefixes follow the same rule, and may also not contain a hash tag.
+PREFIX_RE = QUEUE_NAME_RE
+
+
+def is_valid_queue_name(name: object) -> bool:
+    """Return True when ``name`` can be used inside a key and a hash tag."""
+    return isinstance(name, str) and bool(QUEUE_NAME_RE.match(name))
+
+
+@dataclass(frozen=True, slots=True)
+class QueueKeys:
+    """The keys of one queue; see DESIGN.md's key table."""
+
+    prefix: str
+    queue: str
+
+    def __post_init__(self) -> None:
+        if not is_valid_queue_name(self.queue):
+            raise ValueError(
+                f"Queue name {self.queue!r} is not usable: use 1 to 100 letters, "
+                "digits, '.', '_' or '-'."
+            )
+        if not PREFIX_RE.match(self.prefix):
+            raise ValueError(
+                f"Key prefix {self.prefix!r} is not usable: use 1 to 100 letters, "
+                "digits, '.', '_' or '-'."
+            )
+
+    @property
+    def base(self) -> str:
+        return f"{self.prefix}:{{{self.queue}}}"
+
+    @property
+    def queued(self) -> str:
+        return f"{self.base}:queued"
+
+    @property
+    def processing(self) -> str:
+        return f"{self.base}:processing"
+
+    @property
+    def leases(self) -> str:
+        return f"{self.base}:leases"
+
+    @property
+    def scheduled(self) -> str:
+        return f"{self.base}:scheduled"
+
+    @property
+    def dead(self) -> str:
+        return f"{self.base}:dead"
+
+    @property
+    def wake(self) -> str:
+        """A list of at most one marker, pushed when work arrives (multi-queue waits)."""
+        return f"{self.base}:wake"
+
+    @property
+    def job_prefix(self) -> str:
+        """Job hashes are ``job_prefix + id``; scripts receive it as a KEYS entry."""
+        return f"{self.base}:job:"
+
+    def job(self, job_id: str) -> str:
+        return f"{self.job_prefix}{job_id}"
+
+
+def worker_key(prefix: str, worker_id: str) -> str:
+    """The heartbeat key of one worker (a string with a TTL)."""
+    return f"{prefix}:worker:{worker_id}"
+
+
+def workers_index(prefix: str) -> str:
+    """Sorted set: worker id -> last heartbeat (ms), for listing live workers."""
+    return f"{prefix}:workers"

@@ -1,0 +1,52 @@
+"""``manage.py recoverjobs``: the recovery sweep (see reliable_jobs.sweep)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.tasks import DEFAULT_TASK_BACKEND_ALIAS
+
+from reliable_jobs.management.commands.runworker import configure_logging, get_backend
+from reliable_jobs.sweep import Sweep
+
+
+class Command(BaseCommand):
+    help = (
+        "Recover jobs whose worker died (expired leases), promote due scheduled jobs, and "
+        "push again every unfinished job Redis lost (reconcile with the database). Run one "
+        "pass from cron every minute, or keep it running with --interval; workers also "
+        "recover on their own, so this is the safety net, and the way to rebuild Redis."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--interval", type=float, default=None,
+                            help="Seconds between passes; loop until interrupted "
+                                 "(default: one pass).")
+        parser.add_argument("--backend", default=DEFAULT_TASK_BACKEND_ALIAS,
+                            help="TASKS alias to sweep (default: %(default)r).")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        configure_logging(options["verbosity"])
+        backend = get_backend(options["backend"])
+        if backend.config.problems:
+            raise CommandError(" ".join(message for _, message in backend.config.problems))
+        interval = options["interval"]
+        if interval is not None and interval <= 0:
+            raise CommandError("--interval must be a positive number of seconds.")
+        sweep = Sweep(backend)
+        try:
+            while True:
+                started = time.monotonic()
+                report = sweep.run_once()
+                if options["verbosity"] >= 1:
+                    self.stdout.write(
+                        f"Sweep of {', '.join(sweep.queues)}: {report} "
+                        f"({(time.monotonic() - started) * 1000:.0f} ms)."
+                    )
+                if interval is None:
+                    return
+                time.sleep(max(0.0, interval - (time.monotonic() - started)))
+        except KeyboardInterrupt:
+            return

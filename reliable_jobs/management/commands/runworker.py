@@ -1,0 +1,94 @@
+"""``manage.py runworker``: run a worker process (see reliable_jobs.worker)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.tasks import DEFAULT_TASK_BACKEND_ALIAS, task_backends
+from django.tasks.exceptions import InvalidTaskBackend
+
+from reliable_jobs.backend import ReliableJobsBackend
+from reliable_jobs.worker import Worker
+
+VERBOSITY_LEVELS = {0: logging.WARNING, 1: logging.INFO, 2: logging.DEBUG, 3: logging.DEBUG}
+
+
+def get_backend(alias: str) -> ReliableJobsBackend:
+    """Return the reliable_jobs backend ``alias``, or raise a CommandError that says why."""
+    try:
+        backend = task_backends[alias]
+    except InvalidTaskBackend as exc:
+        raise CommandError(f"There is no task backend {alias!r} in TASKS ({exc}).") from None
+    if not isinstance(backend, ReliableJobsBackend):
+        raise CommandError(
+            f"TASKS[{alias!r}] uses {type(backend).__name__}, not ReliableJobsBackend."
+        )
+    return backend
+
+
+def configure_logging(verbosity: int) -> None:
+    """Map ``-v`` onto the reliable_jobs loggers, printing to stderr."""
+    logger = logging.getLogger("reliable_jobs")
+    logger.setLevel(VERBOSITY_LEVELS.get(verbosity, logging.DEBUG))
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        logger.addHandler(handler)
+
+
+def queue_list(values: list[str] | None) -> list[str]:
+    return [q.strip() for value in values or [] for q in value.split(",") if q.strip()]
+
+
+class Command(BaseCommand):
+    help = (
+        "Run a reliable_jobs worker: claim jobs from Redis, run them, mirror the outcome. "
+        "Stop it with SIGTERM or Ctrl-C (a second one stops at once)."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--queue", "-q", action="append", dest="queues", metavar="NAME",
+                            help="Queue to serve; repeat or separate with commas "
+                                 "(default: every queue of the backend).")
+        parser.add_argument("--concurrency", "-c", type=int, default=1,
+                            help="Threads running tasks (default: %(default)r).")
+        parser.add_argument("--burst", action="store_true",
+                            help="Exit when nothing is queued, running or scheduled.")
+        parser.add_argument("--max-jobs", type=int, default=None,
+                            help="Exit after claiming this many jobs (default: no limit).")
+        parser.add_argument("--worker-id", default=None,
+                            help="Name shown in attempts and heartbeats "
+                                 "(default: host:pid:random).")
+        parser.add_argument("--backend", default=DEFAULT_TASK_BACKEND_ALIAS,
+                            help="TASKS alias to serve (default: %(default)r).")
+        parser.add_argument("--grace", type=float, default=30.0,
+                            help="Seconds running jobs get to finish after the first "
+                                 "SIGTERM (default: %(default)r).")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        configure_logging(options["verbosity"])
+        backend = get_backend(options["backend"])
+        if backend.config.problems:
+            raise CommandError(" ".join(message for _, message in backend.config.problems))
+        queues = queue_list(options["queues"]) or sorted(backend.queues)
+        unknown = sorted(set(queues) - backend.queues)
+        if unknown:
+            raise CommandError(
+                f"Queue(s) {', '.join(unknown)} are not in TASKS[{backend.alias!r}]['QUEUES'] "
+                f"({', '.join(sorted(backend.queues))})."
+            )
+        if options["concurrency"] < 1:
+            raise CommandError("--concurrency must be at least 1.")
+        if options["max_jobs"] is not None and options["max_jobs"] < 1:
+            raise CommandError("--max-jobs must be at least 1.")
+        progress = self.stdout.write if options["burst"] and options["verbosity"] >= 1 else None
+        worker = Worker(
+            backend, queues=queues, concurrency=options["concurrency"],
+            worker_id=options["worker_id"], burst=options["burst"],
+            max_jobs=options["max_jobs"], grace_s=options["grace"], progress=progress,
+        )
+        worker.install_signal_handlers()
+        worker.run()

@@ -1,0 +1,167 @@
+"""Every database write about jobs: the mirror of what happens in Redis.
+
+Writes are fenced by attempt number like the scripts: a row is moved only by
+a record whose attempt is at least the row's, so a stale worker's late write
+never overwrites a newer attempt. Worker writes arrive in batches (one
+transaction per batch); a failed batch is retried by the caller, never
+dropped, and the Redis ack waits for it (see worker.Finisher).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from django.db import transaction
+from django.db.models import Q
+from django.db.models.functions import Coalesce, Greatest
+from django.utils import timezone
+
+from .models import UNFINISHED_STATES, Attempt, AttemptOutcome, Job, JobState
+
+
+@dataclass(slots=True)
+class AttemptRecord:
+    """What one attempt did, and the job state it leaves behind.
+
+    A record with no ``outcome`` says the attempt started; a later record
+    for the same attempt (or the same record, merged) says how it ended.
+    """
+
+    job_id: str
+    attempt: int
+    job_state: str
+    worker_id: str = ""
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    outcome: str = ""
+    error: str = ""
+    traceback: str = ""
+    return_value: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def insert_job(using: str, job: Job) -> None:
+    """Insert a new job row (inside the caller's transaction, if any)."""
+    job.save(using=using, force_insert=True)
+
+
+def insert_jobs(using: str, jobs: Sequence[Job]) -> None:
+    Job.objects.using(using).bulk_create(jobs, batch_size=1000)
+
+
+def record(using: str, records: Iterable[AttemptRecord]) -> None:
+    """Write a batch of attempt records in one transaction.
+
+    Records for jobs that have no row (payloads pushed into Redis by hand)
+    are skipped: there is no history to keep for them.
+    """
+    merged: dict[tuple[str, int], AttemptRecord] = {}
+    for rec in records:
+        key = (rec.job_id, rec.attempt)
+        earlier = merged.get(key)
+        if earlier is not None and not rec.started_at:
+            rec.started_at, rec.worker_id = earlier.started_at, earlier.worker_id
+        merged[key] = rec
+    if not merged:
+        return
+    now = timezone.now()
+    with transaction.atomic(using=using):
+        jobs = Job.objects.using(using)
+        known = {str(pk) for pk in jobs.filter(pk__in={r.job_id for r in merged.values()})
+                 .values_list("pk", flat=True)}
+        rows = [r for r in merged.values() if r.job_id in known]
+        _write_attempts(using, rows)
+        for rec in rows:
+            changes: dict[str, Any] = {"state": rec.job_state, "attempts": rec.attempt,
+                                       "updated_at": now}
+            if rec.started_at:
+                changes["started_at"] = Coalesce("started_at", rec.started_at)
+            if rec.job_state in (JobState.SUCCEEDED, JobState.DEAD):
+                changes["finished_at"] = rec.finished_at or now
+            if rec.job_state == JobState.SUCCEEDED:
+                changes["return_value"] = rec.return_value
+            if rec.error:
+                changes["last_error"] = rec.error
+            jobs.filter(pk=rec.job_id, attempts__lte=rec.attempt).update(**changes)
+
+
+def _write_attempts(using: str, rows: Sequence[AttemptRecord]) -> None:
+    """Upsert one Attempt row per record, keeping what an earlier write knew."""
+    attempts = Attempt.objects.using(using)
+    existing = {
+        (str(a.job_id), a.number): a
+        for a in attempts.filter(
+            _any_of((r.job_id, r.attempt) for r in rows)
+        )
+    } if rows else {}
+    new: list[Attempt] = []
+    for rec in rows:
+        row = existing.get((rec.job_id, rec.attempt))
+        if row is None:
+            new.append(Attempt(job_id=rec.job_id, number=rec.attempt, worker_id=rec.worker_id,
+                               started_at=rec.started_at, finished_at=rec.finished_at,
+                               outcome=rec.outcome, error=rec.error, traceback=rec.traceback))
+            continue
+        if row.outcome and not rec.outcome:
+            continue  # a start arriving after its own finish changes nothing
+        row.worker_id = rec.worker_id or row.worker_id
+        row.started_at = row.started_at or rec.started_at
+        row.finished_at = rec.finished_at or row.finished_at
+        row.outcome = rec.outcome or row.outcome
+        row.error = rec.error or row.error
+        row.traceback = rec.traceback or row.traceback
+        row.save(using=using, update_fields=["worker_id", "started_at", "finished_at",
+                                             "outcome", "error", "traceback"])
+    if new:
+        attempts.bulk_create(new, ignore_conflicts=True)
+
+
+def _any_of(pairs: Iterable[tuple[str, int]]) -> Q:
+    query = Q(pk__in=[])
+    for job_id, number in pairs:
+        query |= Q(job_id=job_id, number=number)
+    return query
+
+
+def expired_record(job_id: str, attempts: int, *, dead: bool, error: str) -> AttemptRecord:
+    """The record the sweep writes when a lease expired."""
+    return AttemptRecord(
+        job_id=job_id, attempt=attempts,
+        job_state=JobState.DEAD if dead else JobState.QUEUED,
+        finished_at=timezone.now(), outcome=AttemptOutcome.LEASE_EXPIRED, error=error,
+    )
+
+
+# -- reconcile ----------------------------------------------------------
+
+
+def reconcile_candidates(
+    using: str, *, backend: str, older_than: datetime, after_id: str | None, limit: int
+) -> list[Job]:
+    """Unfinished jobs untouched since ``older_than``, in id order after ``after_id``."""
+    rows = Job.objects.using(using).filter(
+        backend=backend, state__in=UNFINISHED_STATES, updated_at__lt=older_than
+    )
+    if after_id is not None:
+        rows = rows.filter(pk__gt=after_id)
+    return list(rows.order_by("pk")[:limit])
+
+
+def touch(using: str, job_ids: Sequence[Any], *, state: str | None = None) -> None:
+    """Restart the grace period of jobs reconcile just pushed again."""
+    changes: dict[str, Any] = {"updated_at": timezone.now()}
+    if state:
+        changes["state"] = state
+    Job.objects.using(using).filter(pk__in=job_ids).update(**changes)
+
+
+def bury(using: str, job_id: str, *, attempts: int, error: str) -> None:
+    """Mirror a death Redis already recorded (for example by recover)."""
+    now = timezone.now()
+    Job.objects.using(using).filter(pk=job_id, state__in=UNFINISHED_STATES).update(
+        state=JobState.DEAD, attempts=Greatest("attempts", attempts), last_error=error,
+        finished_at=now, updated_at=now,
+    )

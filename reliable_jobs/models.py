@@ -1,0 +1,128 @@
+"""The database mirror of every job and every attempt.
+
+Redis holds what is live; these tables hold everything, for durability (the
+sweep rebuilds Redis from them), history (the admin) and ``get_result()``.
+Only ``mirror.py`` writes job state; the model owns the vocabulary.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from django.db import models
+from django.tasks import TaskResultStatus
+from django.utils.translation import gettext_lazy as _
+
+
+class JobState(models.TextChoices):
+    SCHEDULED = "scheduled", _("Scheduled")
+    QUEUED = "queued", _("Queued")
+    RUNNING = "running", _("Running")
+    SUCCEEDED = "succeeded", _("Succeeded")
+    DEAD = "dead", _("Dead")
+    CANCELLED = "cancelled", _("Cancelled")
+
+
+#: States in which the job still has to run: reconcile watches these.
+UNFINISHED_STATES = (JobState.SCHEDULED, JobState.QUEUED, JobState.RUNNING)
+
+#: DESIGN.md's mapping onto Django's task statuses.
+TASK_STATUS = {
+    JobState.SCHEDULED: TaskResultStatus.READY,
+    JobState.QUEUED: TaskResultStatus.READY,
+    JobState.RUNNING: TaskResultStatus.RUNNING,
+    JobState.SUCCEEDED: TaskResultStatus.SUCCESSFUL,
+    JobState.DEAD: TaskResultStatus.FAILED,
+    JobState.CANCELLED: TaskResultStatus.FAILED,
+}
+
+
+class AttemptOutcome(models.TextChoices):
+    SUCCEEDED = "succeeded", _("Succeeded")
+    FAILED = "failed", _("Failed")
+    LEASE_EXPIRED = "lease_expired", _("Lease expired")
+    RELEASED = "released", _("Released")
+    TIMED_OUT = "timed_out", _("Timed out")
+
+
+#: Outcomes that count as an error in ``TaskResult.errors``.
+FAILED_OUTCOMES = (AttemptOutcome.FAILED, AttemptOutcome.LEASE_EXPIRED, AttemptOutcome.TIMED_OUT)
+
+
+class JobQuerySet(models.QuerySet["Job"]):
+    def unfinished(self) -> JobQuerySet:
+        return self.filter(state__in=UNFINISHED_STATES)
+
+    def dead(self) -> JobQuerySet:
+        return self.filter(state=JobState.DEAD)
+
+
+class Job(models.Model):
+    id = models.UUIDField(_("id"), primary_key=True, default=uuid.uuid4, editable=False)
+    backend = models.CharField(_("backend"), max_length=100, default="default")
+    queue = models.CharField(_("queue"), max_length=100)
+    task_path = models.CharField(_("task"), max_length=300)
+    args = models.JSONField(_("args"), default=list)
+    kwargs = models.JSONField(_("kwargs"), default=dict)
+    priority = models.SmallIntegerField(_("priority"), default=0)
+    state = models.CharField(_("state"), max_length=16, choices=JobState.choices)
+    attempts = models.PositiveIntegerField(_("attempts"), default=0)
+    max_attempts = models.PositiveIntegerField(_("max attempts"))
+    run_after = models.DateTimeField(_("run after"), null=True, blank=True)
+    enqueued_at = models.DateTimeField(_("enqueued"))
+    started_at = models.DateTimeField(_("started"), null=True, blank=True)
+    finished_at = models.DateTimeField(_("finished"), null=True, blank=True)
+    #: Last time any mirror write touched the row; reconcile's grace period
+    #: is measured from it.
+    updated_at = models.DateTimeField(_("updated"))
+    return_value = models.JSONField(_("return value"), null=True, blank=True)
+    last_error = models.TextField(_("last error"), blank=True, default="")
+
+    objects = JobQuerySet.as_manager()
+
+    class Meta:
+        verbose_name = _("job")
+        verbose_name_plural = _("jobs")
+        ordering = ["-enqueued_at"]
+        indexes = [
+            models.Index(fields=["state", "updated_at"], name="rj_job_state_updated"),
+            models.Index(fields=["queue", "state"], name="rj_job_queue_state"),
+            models.Index(fields=["task_path"], name="rj_job_task"),
+            models.Index(fields=["-enqueued_at"], name="rj_job_enqueued"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.task_path} ({self.id})"
+
+    @property
+    def task_status(self) -> TaskResultStatus:
+        return TASK_STATUS[JobState(self.state)]
+
+
+class Attempt(models.Model):
+    job = models.ForeignKey(Job, models.CASCADE, related_name="attempt_set", verbose_name=_("job"))
+    number = models.PositiveIntegerField(_("number"))
+    worker_id = models.CharField(_("worker"), max_length=200, blank=True, default="")
+    started_at = models.DateTimeField(_("started"), null=True, blank=True)
+    finished_at = models.DateTimeField(_("finished"), null=True, blank=True)
+    outcome = models.CharField(
+        _("outcome"), max_length=16, choices=AttemptOutcome.choices, blank=True, default=""
+    )
+    #: ``dotted.ExceptionClass: message`` of a failed attempt.
+    error = models.TextField(_("error"), blank=True, default="")
+    traceback = models.TextField(_("traceback"), blank=True, default="")
+
+    class Meta:
+        verbose_name = _("attempt")
+        verbose_name_plural = _("attempts")
+        ordering = ["job", "number"]
+        constraints = [
+            models.UniqueConstraint(fields=["job", "number"], name="rj_attempt_job_number"),
+        ]
+
+    def __str__(self) -> str:
+        return f"attempt {self.number} of {self.job_id}"
+
+    @property
+    def exception_class_path(self) -> str:
+        return self.error.split(":", 1)[0] if self.error else ""

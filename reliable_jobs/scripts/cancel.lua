@@ -1,0 +1,32 @@
+--[[
+  cancel: take a job that has not started off queued or scheduled.
+
+  KEYS[1] queued      list   ids ready to run
+  KEYS[2] scheduled   zset   id -> due time (ms)
+  KEYS[3] job prefix  string job hashes are KEYS[3] .. id (same {queue} slot)
+
+  ARGV[1] id  job id
+
+  A running job is never dropped silently: cancel refuses it, and says
+  which state it found.
+
+  Returns: { cancelled (1 or 0), state found ('' when no hash) }
+]]
+local queued_key = KEYS[1]
+local scheduled_key = KEYS[2]
+local job_prefix = KEYS[3]
+
+local job_id = ARGV[1]
+local job_key = job_prefix .. job_id
+local state = redis.call('HGET', job_key, 'state') or ''
+local removed = 0
+if state == 'queued' then
+  removed = redis.call('LREM', queued_key, 1, job_id)
+elseif state == 'scheduled' then
+  removed = redis.call('ZREM', scheduled_key, job_id)
+end
+if removed > 0 then
+  redis.call('DEL', job_key)
+  return { 1, state }
+end
+return { 0, state }

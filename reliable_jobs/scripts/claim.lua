@@ -1,0 +1,102 @@
+--[[
+  claim: move up to N jobs from queued to processing and stamp each one.
+
+  KEYS[1] queued      list   ids ready to run (the oldest on the right)
+  KEYS[2] processing  list   ids claimed and not yet acked
+  KEYS[3] leases      zset   id -> lease deadline (ms, server clock)
+  KEYS[4] dead        zset   id -> time of death (ms)
+  KEYS[5] wake        list   at most one marker, pushed when work is left
+  KEYS[6] job prefix  string job hashes are KEYS[6] .. id (same {queue} slot)
+
+  ARGV[1] count     how many jobs to claim at most
+  ARGV[2] lease_ms  lease length in milliseconds
+  ARGV[3] moved_id  an id the worker already moved onto processing with
+                    BLMOVE (stamped first), or '' for none
+
+  Taking the batch with LRANGE + LTRIM + LPUSH inside one script is the same
+  atomic move as LMOVE, for many ids at once: an id is always on exactly one
+  of the two lists. Each claimed job gets attempts + 1 (the fencing token),
+  state 'running' and a lease. A job whose attempts already reached
+  max_attempts goes to dead instead (G3). An id with no job hash is garbage:
+  it is moved aside to dead and reported.
+
+  Returns: { jobs, dead, garbage, remaining }
+    jobs      flat list: id, attempt, max_attempts, payload (per job)
+    dead      flat list: id, attempts (jobs that had no attempt left)
+    garbage   list of ids that had no job hash
+    remaining length of queued after the claim
+]]
+local queued_key = KEYS[1]
+local processing_key = KEYS[2]
+local leases_key = KEYS[3]
+local dead_key = KEYS[4]
+local wake_key = KEYS[5]
+local job_prefix = KEYS[6]
+
+local count = tonumber(ARGV[1])
+local lease_ms = tonumber(ARGV[2])
+local moved_id = ARGV[3]
+
+local clock = redis.call('TIME')
+local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local deadline_ms = now_ms + lease_ms
+
+local ids = {}
+if moved_id ~= '' then
+  ids[1] = moved_id
+end
+local wanted = count - #ids
+if wanted > 0 then
+  local taken = redis.call('LRANGE', queued_key, -wanted, -1)
+  if #taken > 0 then
+    redis.call('LTRIM', queued_key, 0, -#taken - 1)
+    redis.call('LPUSH', processing_key, unpack(taken))
+    for i = #taken, 1, -1 do
+      ids[#ids + 1] = taken[i]
+    end
+  end
+end
+
+local jobs, dead, garbage, lease_args = {}, {}, {}, {}
+for _, job_id in ipairs(ids) do
+  local job_key = job_prefix .. job_id
+  local job = redis.call('HMGET', job_key, 'state', 'attempts', 'max_attempts', 'payload')
+  if not job[1] then
+    redis.call('LREM', processing_key, 1, job_id)
+    redis.call('ZADD', dead_key, now_ms, job_id)
+    garbage[#garbage + 1] = job_id
+  elseif job[1] ~= 'queued' then
+    -- A stray second copy of a job that lives elsewhere: drop this copy.
+    redis.call('LREM', processing_key, 1, job_id)
+  else
+    local attempts = tonumber(job[2]) or 0
+    local max_attempts = tonumber(job[3]) or 1
+    if attempts >= max_attempts then
+      redis.call('LREM', processing_key, 1, job_id)
+      redis.call('ZADD', dead_key, now_ms, job_id)
+      redis.call('HSET', job_key, 'state', 'dead', 'finished_ms', now_ms, 'last_error',
+        'AttemptsExhausted: claimed ' .. attempts .. ' of ' .. max_attempts ..
+        ' times without finishing (worker lost or lease expired)')
+      dead[#dead + 1] = job_id
+      dead[#dead + 1] = attempts
+    else
+      attempts = attempts + 1
+      redis.call('HSET', job_key, 'state', 'running', 'attempts', attempts, 'started_ms', now_ms)
+      lease_args[#lease_args + 1] = deadline_ms
+      lease_args[#lease_args + 1] = job_id
+      jobs[#jobs + 1] = job_id
+      jobs[#jobs + 1] = attempts
+      jobs[#jobs + 1] = max_attempts
+      jobs[#jobs + 1] = job[4] or ''
+    end
+  end
+end
+if #lease_args > 0 then
+  redis.call('ZADD', leases_key, unpack(lease_args))
+end
+
+local remaining = redis.call('LLEN', queued_key)
+if remaining > 0 and redis.call('LLEN', wake_key) == 0 then
+  redis.call('RPUSH', wake_key, '1')
+end
+return { jobs, dead, garbage, remaining }

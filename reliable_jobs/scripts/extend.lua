@@ -1,0 +1,35 @@
+--[[
+  extend: push the lease deadline of running jobs forward, fenced.
+
+  KEYS[1] leases      zset   id -> lease deadline (ms, server clock)
+  KEYS[2] job prefix  string job hashes are KEYS[2] .. id (same {queue} slot)
+
+  ARGV[1] lease_ms   new lease length from now, in milliseconds
+  ARGV[2..]          pairs: id, attempt (the fencing token from claim)
+
+  A renewal from a worker that no longer holds the attempt (its lease
+  expired and the job was recovered or claimed again) is refused, and the
+  lease it would have extended is left alone.
+
+  Returns: a list with 1 (extended) or 0 (refused) per pair.
+]]
+local leases_key = KEYS[1]
+local job_prefix = KEYS[2]
+
+local clock = redis.call('TIME')
+local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local deadline_ms = now_ms + tonumber(ARGV[1])
+
+local results = {}
+for i = 2, #ARGV, 2 do
+  local job_id = ARGV[i]
+  local job = redis.call('HMGET', job_prefix .. job_id, 'state', 'attempts')
+  if job[1] == 'running' and job[2] == ARGV[i + 1]
+      and redis.call('ZSCORE', leases_key, job_id) then
+    redis.call('ZADD', leases_key, deadline_ms, job_id)
+    results[#results + 1] = 1
+  else
+    results[#results + 1] = 0
+  end
+end
+return results

@@ -1,0 +1,64 @@
+--[[
+  nack: a job's attempt failed; retry it later or bury it, fenced.
+
+  KEYS[1] queued      list   ids ready to run
+  KEYS[2] processing  list   ids claimed and not yet acked
+  KEYS[3] leases      zset   id -> lease deadline (ms)
+  KEYS[4] scheduled   zset   id -> due time (ms)
+  KEYS[5] dead        zset   id -> time of death (ms)
+  KEYS[6] wake        list   at most one marker, pushed when work arrives
+  KEYS[7] job prefix  string job hashes are KEYS[7] .. id (same {queue} slot)
+
+  ARGV, repeated in groups of four, one per failed attempt:
+    id        job id
+    attempt   the fencing token from claim
+    delay_ms  retry after this many ms (0: queue at once); -1: the job is dead
+    error     the error text kept in last_error
+
+  The worker decides retry or dead (it knows attempts, max_attempts and
+  whether the error is retryable); this script applies that decision only if
+  the caller still holds the job, and computes the due time from TIME.
+
+  Returns: a list with 1 (applied) or 0 (refused: stale attempt) per group.
+]]
+local queued_key = KEYS[1]
+local processing_key = KEYS[2]
+local leases_key = KEYS[3]
+local scheduled_key = KEYS[4]
+local dead_key = KEYS[5]
+local wake_key = KEYS[6]
+local job_prefix = KEYS[7]
+
+local clock = redis.call('TIME')
+local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+
+local results = {}
+local queued_now = 0
+for i = 1, #ARGV, 4 do
+  local job_id = ARGV[i]
+  local job_key = job_prefix .. job_id
+  local delay_ms = tonumber(ARGV[i + 2]) or -1
+  local job = redis.call('HMGET', job_key, 'state', 'attempts')
+  if job[1] == 'running' and job[2] == ARGV[i + 1] then
+    redis.call('LREM', processing_key, -1, job_id)
+    redis.call('ZREM', leases_key, job_id)
+    if delay_ms < 0 then
+      redis.call('ZADD', dead_key, now_ms, job_id)
+      redis.call('HSET', job_key, 'state', 'dead', 'finished_ms', now_ms, 'last_error', ARGV[i + 3])
+    elseif delay_ms == 0 then
+      redis.call('LPUSH', queued_key, job_id)
+      redis.call('HSET', job_key, 'state', 'queued', 'last_error', ARGV[i + 3])
+      queued_now = queued_now + 1
+    else
+      redis.call('ZADD', scheduled_key, now_ms + delay_ms, job_id)
+      redis.call('HSET', job_key, 'state', 'scheduled', 'last_error', ARGV[i + 3])
+    end
+    results[#results + 1] = 1
+  else
+    results[#results + 1] = 0
+  end
+end
+if queued_now > 0 and redis.call('LLEN', wake_key) == 0 then
+  redis.call('RPUSH', wake_key, '1')
+end
+return results

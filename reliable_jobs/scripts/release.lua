@@ -1,0 +1,50 @@
+--[[
+  release: on graceful shutdown, hand a worker's jobs straight back.
+
+  KEYS[1] queued      list   ids ready to run (the oldest on the right)
+  KEYS[2] processing  list   ids claimed and not yet acked
+  KEYS[3] leases      zset   id -> lease deadline (ms)
+  KEYS[4] wake        list   at most one marker, pushed when work arrives
+  KEYS[5] job prefix  string job hashes are KEYS[5] .. id (same {queue} slot)
+
+  ARGV, repeated in groups of three:
+    id        job id
+    attempt   the fencing token from claim
+    started   1 if the task had started (interrupted), 0 if it never started
+
+  Released jobs go on the right of queued, to run next. A job that never
+  started gets its attempt back (attempts - 1), so a shutdown costs it
+  nothing; an interrupted one keeps the attempt it used.
+
+  Returns: a list with 1 (released) or 0 (refused: stale attempt) per group.
+]]
+local queued_key = KEYS[1]
+local processing_key = KEYS[2]
+local leases_key = KEYS[3]
+local wake_key = KEYS[4]
+local job_prefix = KEYS[5]
+
+local results = {}
+local released = 0
+for i = 1, #ARGV, 3 do
+  local job_id = ARGV[i]
+  local job_key = job_prefix .. job_id
+  local job = redis.call('HMGET', job_key, 'state', 'attempts')
+  if job[1] == 'running' and job[2] == ARGV[i + 1] then
+    redis.call('LREM', processing_key, -1, job_id)
+    redis.call('ZREM', leases_key, job_id)
+    redis.call('HSET', job_key, 'state', 'queued')
+    if ARGV[i + 2] == '0' then
+      redis.call('HINCRBY', job_key, 'attempts', -1)
+    end
+    redis.call('RPUSH', queued_key, job_id)
+    released = released + 1
+    results[#results + 1] = 1
+  else
+    results[#results + 1] = 0
+  end
+end
+if released > 0 and redis.call('LLEN', wake_key) == 0 then
+  redis.call('RPUSH', wake_key, '1')
+end
+return results

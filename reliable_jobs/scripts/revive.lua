@@ -1,0 +1,35 @@
+--[[
+  revive: give a dead job a fresh attempt budget and queue it again.
+
+  KEYS[1] queued      list   ids ready to run
+  KEYS[2] dead        zset   id -> time of death (ms)
+  KEYS[3] wake        list   at most one marker, pushed when work arrives
+  KEYS[4] job prefix  string job hashes are KEYS[4] .. id (same {queue} slot)
+
+  ARGV[1] id             job id
+  ARGV[2] extra_attempts attempts added on top of those already spent
+
+  The attempts counter keeps counting (so fencing tokens never repeat and
+  the history keeps every attempt); max_attempts becomes attempts + extra.
+
+  Returns: 1 if revived, 0 if the job was not dead in Redis.
+]]
+local queued_key = KEYS[1]
+local dead_key = KEYS[2]
+local wake_key = KEYS[3]
+local job_prefix = KEYS[4]
+
+local job_id = ARGV[1]
+local job_key = job_prefix .. job_id
+if redis.call('HGET', job_key, 'state') ~= 'dead' then
+  return 0
+end
+local attempts = tonumber(redis.call('HGET', job_key, 'attempts')) or 0
+redis.call('ZREM', dead_key, job_id)
+redis.call('HSET', job_key, 'state', 'queued', 'max_attempts', attempts + tonumber(ARGV[2]))
+redis.call('HDEL', job_key, 'finished_ms')
+redis.call('LPUSH', queued_key, job_id)
+if redis.call('LLEN', wake_key) == 0 then
+  redis.call('RPUSH', wake_key, '1')
+end
+return 1
