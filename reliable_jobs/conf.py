@@ -62,6 +62,8 @@ class BackendOptions:
 
 
 OPTION_NAMES = tuple(f.name for f in fields(BackendOptions) if f.name.isupper())
+#: The defaults (class attributes of a slots dataclass are descriptors, not values).
+DEFAULTS = BackendOptions()
 
 #: Options that must be whole numbers, with their smallest allowed value.
 _MINIMUMS = {
@@ -109,14 +111,14 @@ def parse(raw: Any) -> BackendOptions:
                 )
                 continue
         values[key] = value
-    url = values.get("REDIS_URL", BackendOptions.REDIS_URL)
+    url = values.get("REDIS_URL", DEFAULTS.REDIS_URL)
     if not isinstance(url, str) or urlsplit(url).scheme not in REDIS_SCHEMES:
         problems.append(
             ("reliable_jobs.E002", f"OPTIONS['REDIS_URL'] must be a redis://, rediss:// or "
              f"unix:// URL, not {url!r}.")
         )
         values.pop("REDIS_URL", None)
-    prefix = values.get("PREFIX", BackendOptions.PREFIX)
+    prefix = values.get("PREFIX", DEFAULTS.PREFIX)
     if not isinstance(prefix, str) or not PREFIX_RE.match(prefix):
         problems.append(
             ("reliable_jobs.E005", f"OPTIONS['PREFIX'] {prefix!r} is not usable in a Redis key: "

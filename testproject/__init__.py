@@ -1,0 +1,1 @@
+"""A runnable Django project using reliable_jobs: the demo site and the tests' settings."""

@@ -1,0 +1,1 @@
+"""Demo tasks, pages and the `demo` command that exercise reliable_jobs end to end."""

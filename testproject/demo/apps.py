@@ -1,0 +1,7 @@
+from django.apps import AppConfig
+
+
+class DemoConfig(AppConfig):
+    name = "testproject.demo"
+    label = "demo"
+    verbose_name = "reliable_jobs demo"

@@ -1,0 +1,74 @@
+"""Tasks the demo, the admin and the test suite run: one per kind of outcome.
+
+Each is a module-level function, as ``django.tasks`` requires, so that a
+worker in another process can import it by path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from django.tasks import TaskContext, task
+
+from reliable_jobs.exceptions import PermanentFailure, RetryLater
+
+
+@task
+def noop() -> None:
+    """Do nothing: what is left is the queue's own cost."""
+
+
+@task
+def add(a: int, b: int) -> int:
+    """Return ``a + b``: a result that is easy to check."""
+    return a + b
+
+
+@task
+def sleep_for(seconds: float) -> float:
+    """Sleep, then return ``seconds``: a job that is still RUNNING when a worker is killed."""
+    time.sleep(seconds)
+    return seconds
+
+
+# django-stubs' task() does not declare the keyword arguments a backend's
+# task_class adds (max_attempts, retry_base_ms, ...), hence the ignores below.
+@task(takes_context=True, max_attempts=5, retry_base_ms=100)  # type: ignore[call-overload,untyped-decorator]
+def fail_times(context: TaskContext[[str, int], str], key: str, times: int) -> str:
+    """Raise RuntimeError on the first ``times`` attempts, then return ``key``.
+
+    The attempt number comes from the result (``context.attempt`` starts at
+    1), not from process state, so the outcome is the same whichever worker
+    process runs each attempt.
+    """
+    if context.attempt <= times:
+        raise RuntimeError(f"{key}: planned failure on attempt {context.attempt} of {times}")
+    return key
+
+
+@task(max_attempts=3, retry_base_ms=100)  # type: ignore[call-overload,untyped-decorator]
+def always_fail(message: str = "boom") -> None:
+    """Raise RuntimeError(message) on every attempt: a job that ends FAILED."""
+    raise RuntimeError(message)
+
+
+@task
+async def async_add(a: int, b: int) -> int:
+    """Return ``a + b`` from a coroutine, which the backend must run to completion."""
+    await asyncio.sleep(0)
+    return a + b
+
+
+@task(takes_context=True, max_attempts=3)
+def retry_once_later(context: TaskContext, delay_ms: int) -> int:
+    """Ask for a retry in ``delay_ms`` on the first attempt, then return the attempt number."""
+    if context.attempt == 1:
+        raise RetryLater(delay_ms, "not ready yet")
+    return context.attempt
+
+
+@task(max_attempts=5)
+def give_up(reason: str) -> None:
+    """Fail for good on the first attempt: no retry can help."""
+    raise PermanentFailure(reason)
