@@ -119,6 +119,7 @@ class Worker:
         burst: bool = False,
         max_jobs: int | None = None,
         grace_s: float = 30.0,
+        prefetch: int | None = None,
         progress: Callable[[str], None] | None = None,
     ) -> None:
         self.backend = backend
@@ -129,6 +130,7 @@ class Worker:
         self.burst = burst
         self.max_jobs = max_jobs
         self.grace_s = grace_s
+        self.prefetch = self.config.PREFETCH if prefetch is None else prefetch
         self.progress = progress
         self.broker = backend.broker
         self.sweep = Sweep(backend, self.queues)
@@ -278,7 +280,7 @@ class Worker:
         )
 
     def _capacity(self) -> int:
-        room = self.concurrency + self.config.PREFETCH - len(self._in_hand)
+        room = self.concurrency + self.prefetch - len(self._in_hand)
         if self.max_jobs is not None:
             room = min(room, self.max_jobs - self._claimed_total)
         return room

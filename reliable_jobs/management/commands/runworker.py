@@ -55,6 +55,9 @@ class Command(BaseCommand):
                                  "(default: every queue of the backend).")
         parser.add_argument("--concurrency", "-c", type=int, default=1,
                             help="Threads running tasks (default: %(default)r).")
+        parser.add_argument("--prefetch", type=int, default=None,
+                            help="Jobs claimed beyond those running, so one claim fetches a "
+                                 "batch (default: OPTIONS['PREFETCH']).")
         parser.add_argument("--burst", action="store_true",
                             help="Exit when nothing is queued, running or scheduled.")
         parser.add_argument("--max-jobs", type=int, default=None,
@@ -82,13 +85,16 @@ class Command(BaseCommand):
             )
         if options["concurrency"] < 1:
             raise CommandError("--concurrency must be at least 1.")
+        if options["prefetch"] is not None and options["prefetch"] < 0:
+            raise CommandError("--prefetch must be at least 0.")
         if options["max_jobs"] is not None and options["max_jobs"] < 1:
             raise CommandError("--max-jobs must be at least 1.")
         progress = self.stdout.write if options["burst"] and options["verbosity"] >= 1 else None
         worker = Worker(
             backend, queues=queues, concurrency=options["concurrency"],
             worker_id=options["worker_id"], burst=options["burst"],
-            max_jobs=options["max_jobs"], grace_s=options["grace"], progress=progress,
+            max_jobs=options["max_jobs"], grace_s=options["grace"],
+            prefetch=options["prefetch"], progress=progress,
         )
         worker.install_signal_handlers()
         worker.run()

@@ -1,0 +1,65 @@
+"""``manage.py benchjobs``: measure enqueue and drain rates (see reliable_jobs.bench)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.tasks import DEFAULT_TASK_BACKEND_ALIAS
+
+from reliable_jobs.bench import Figure, run_once
+from reliable_jobs.management.commands.runworker import get_backend
+
+
+class Command(BaseCommand):
+    help = (
+        "Benchmark: enqueue N no-op jobs in bulk and M one by one (each its own transaction), "
+        "then drain them with one worker in this process, mirror on; print jobs/s, the "
+        "median of --runs runs. The queue must be empty. Never run it against production."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--jobs", type=int, default=20_000,
+                            help="Jobs enqueued in bulk per run (default: %(default)r).")
+        parser.add_argument("--singles", type=int, default=2_000,
+                            help="Jobs enqueued one call each per run (default: %(default)r).")
+        parser.add_argument("--runs", type=int, default=3,
+                            help="Runs; the median is shown (default: %(default)r).")
+        parser.add_argument("--concurrency", type=int, default=1,
+                            help="Worker threads (default: %(default)r).")
+        parser.add_argument("--prefetch", type=int, default=None,
+                            help="Jobs claimed beyond those running, so one claim fetches a "
+                                 "batch (default: OPTIONS['PREFETCH']).")
+        parser.add_argument("--queue", default=None,
+                            help="Queue to use (default: the backend's first queue).")
+        parser.add_argument("--backend", default=DEFAULT_TASK_BACKEND_ALIAS,
+                            help="TASKS alias (default: %(default)r).")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        for name in ("reliable_jobs", "django.tasks"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+        backend = get_backend(options["backend"])
+        queue = options["queue"] or sorted(backend.queues)[0]
+        if queue not in backend.queues:
+            raise CommandError(f"Queue {queue!r} is not in the backend's QUEUES.")
+        if min(options["jobs"], options["runs"], options["concurrency"]) < 1:
+            raise CommandError("--jobs, --runs and --concurrency must be at least 1.")
+        counts = backend.broker.counts(queue)
+        if counts.queued or counts.running or counts.scheduled:
+            raise CommandError(
+                f"Queue {queue!r} is not empty ({counts}); benchmark on an idle queue."
+            )
+        rates: dict[str, list[float]] = {}
+        for run in range(1, options["runs"] + 1):
+            measured = run_once(backend, queue, jobs=options["jobs"],
+                                singles=options["singles"], concurrency=options["concurrency"],
+                                prefetch=options["prefetch"])
+            for name, rate in measured.items():
+                rates.setdefault(name, []).append(rate)
+            self.stdout.write(f"run {run}/{options['runs']}: " + ", ".join(
+                f"{name} {rate:,.0f}/s" for name, rate in measured.items()))
+        self.stdout.write(f"\n{options['jobs']:,} bulk + {options['singles']:,} single jobs, "
+                          f"{options['concurrency']} thread(s), median of {options['runs']}:")
+        for name, values in rates.items():
+            self.stdout.write(Figure(name, values).row())
