@@ -47,8 +47,9 @@ from django.utils.json import normalize_json
 from . import mirror, payload, retry
 from .broker import ClaimedJob
 from .checks import mask_password
-from .exceptions import UnknownTask
+from .exceptions import JobTimeout, UnknownTask
 from .faults import crash_point
+from .isolation import ChildFailed, run_in_child
 from .mirror import AttemptRecord
 from .models import AttemptOutcome, JobState
 from .sweep import Sweep, SweepReport
@@ -432,7 +433,14 @@ class Worker:
             result = self._task_result(task, job, decoded, started_at)
             task_started.send(type(self.backend), task_result=result)
             crash_point("in_task")
-            if task.takes_context:
+            timeout_ms = self.backend.task_option(task, "timeout_ms")
+            if timeout_ms:
+                value = run_in_child(
+                    payload_text=job.payload, job_id=job.id, attempt=job.attempt,
+                    worker_id=self.worker_id, backend=self.backend.alias, queue=job.queue,
+                    timeout_s=timeout_ms / 1000,
+                )
+            elif task.takes_context:
                 value = task.call(TaskContext(task_result=result), *decoded.args, **decoded.kwargs)
             else:
                 value = task.call(*decoded.args, **decoded.kwargs)
@@ -476,13 +484,19 @@ class Worker:
             max_ms=self.backend.task_option(task, "retry_max_ms") if task
             else self.config.RETRY_MAX_MS,
         )
-        error = f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}"
+        if isinstance(exc, ChildFailed):
+            error, trace = f"{exc.class_path}: {exc}", exc.child_traceback
+        else:
+            error = f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}"
+            trace = "".join(traceback.format_exception(exc))
         state = (JobState.DEAD if delay_ms == retry.DEAD
                  else JobState.QUEUED if delay_ms == 0 else JobState.SCHEDULED)
         record = AttemptRecord(
             job_id=job.id, attempt=job.attempt, job_state=state, worker_id=self.worker_id,
-            started_at=started_at, finished_at=timezone.now(), outcome=AttemptOutcome.FAILED,
-            error=error, traceback="".join(traceback.format_exception(exc)),
+            started_at=started_at, finished_at=timezone.now(),
+            outcome=AttemptOutcome.TIMED_OUT if isinstance(exc, JobTimeout)
+            else AttemptOutcome.FAILED,
+            error=error, traceback=trace,
         )
         if result is not None:
             object.__setattr__(result, "status", TaskResultStatus.FAILED)

@@ -268,3 +268,44 @@ def test_flushall_then_recoverjobs_rebuilds_every_job(
     assert worker.wait(timeout=60) == 0, processes.log(worker)
     for i, r in enumerate(queued):
         assert demo.add.get_result(r.id).return_value == i + 1
+
+
+def test_task_past_its_time_limit_is_killed_and_dies_after_its_attempts(
+    rj_settings: Any, processes: Processes
+) -> None:
+    # Given: a task with timeout_ms=500 that sleeps 30 s, and a normal isolated task
+    env = rj_settings()
+    hung = demo.hang.enqueue(30)
+    fine = demo.isolated_add.enqueue(2, 2)
+
+    # When: a burst worker runs them
+    worker = processes.worker(env, "--burst", "--concurrency", "2")
+    assert worker.wait(timeout=60) == 0, processes.log(worker)
+
+    # Then: each attempt of the hung task was killed and recorded as timed out; it is dead
+    job = Job.objects.get(pk=hung.id)
+    assert (job.state, job.attempts) == (JobState.DEAD, 2)
+    assert "JobTimeout" in job.last_error
+    assert set(Attempt.objects.filter(job=job).values_list("outcome", flat=True)) == {
+        AttemptOutcome.TIMED_OUT}
+    # And: the isolated task ran in its own process and returned
+    assert demo.isolated_add.get_result(fine.id).return_value == 4
+
+
+def test_task_that_kills_its_own_process_fails_only_its_attempt(
+    rj_settings: Any, processes: Processes
+) -> None:
+    # Given: an isolated task that os._exit()s, and a job behind it
+    env = rj_settings()
+    poison = demo.kill_own_process.enqueue()
+    after = demo.add.enqueue(5, 5)
+
+    # When
+    worker = processes.worker(env, "--burst")
+    assert worker.wait(timeout=60) == 0, processes.log(worker)
+
+    # Then: it is dead after max_attempts with the reason kept; the worker survived
+    job = Job.objects.get(pk=poison.id)
+    assert (job.state, job.attempts) == (JobState.DEAD, 3)
+    assert "ChildDied" in job.last_error and "code 9" in job.last_error
+    assert demo.add.get_result(after.id).return_value == 10

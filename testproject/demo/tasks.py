@@ -72,3 +72,24 @@ def retry_once_later(context: TaskContext, delay_ms: int) -> int:
 def give_up(reason: str) -> None:
     """Fail for good on the first attempt: no retry can help."""
     raise PermanentFailure(reason)
+
+
+@task(timeout_ms=500, max_attempts=2, retry_base_ms=50)
+def hang(seconds: float) -> float:
+    """Sleep past the 500 ms limit: each attempt is killed and fails as timed out."""
+    time.sleep(seconds)
+    return seconds
+
+
+@task(timeout_ms=5_000, max_attempts=2, retry_base_ms=50)
+def isolated_add(a: int, b: int) -> int:
+    """Return ``a + b`` from a child process (the task has a time limit)."""
+    return a + b
+
+
+@task(max_attempts=3, timeout_ms=5_000, retry_base_ms=50)
+def kill_own_process() -> None:
+    """Die like a segfault: the attempt's process exits without answering."""
+    import os
+
+    os._exit(9)

@@ -1,0 +1,116 @@
+"""Run one attempt in a child process, so a time limit can really be enforced.
+
+A thread cannot be killed, so a task with ``timeout_ms`` runs in a child
+process forked from a ``forkserver`` that imported Django and every task
+module once (the parent's threads and sockets are never forked). The
+executor thread waits for the child; past the deadline it SIGKILLs it and the
+attempt fails with :class:`JobTimeout`. A child that dies on its own (a task
+that calls ``os._exit`` or crashes the interpreter) fails only its attempt.
+
+Only JSON crosses the pipe: the payload text in, a JSON reply out.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing
+import signal
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+from .exceptions import JobTimeout, PermanentFailure, RetryLater
+
+_context = multiprocessing.get_context("forkserver")
+_context.set_forkserver_preload(["reliable_jobs._child_boot"])
+
+
+class ChildFailed(Exception):
+    """The task raised in the child; carries its class path and traceback."""
+
+    def __init__(self, class_path: str, message: str, child_traceback: str) -> None:
+        super().__init__(message)
+        self.class_path = class_path
+        self.child_traceback = child_traceback
+
+
+class ChildDied(Exception):
+    """The child process exited without answering (killed, crashed, os._exit)."""
+
+
+def run_in_child(*, payload_text: str, job_id: str, attempt: int, worker_id: str,
+                 backend: str, queue: str, timeout_s: float) -> Any:
+    """Run the payload's task in a fresh child; return its JSON return value.
+
+    Raises JobTimeout, ChildDied, RetryLater, PermanentFailure or ChildFailed.
+    """
+    receiver, sender = _context.Pipe(duplex=False)
+    child = _context.Process(
+        target=_child_main,
+        args=(sender, payload_text, job_id, attempt, worker_id, backend, queue, timeout_s),
+        name=f"rj-job-{job_id}", daemon=True,
+    )
+    child.start()
+    sender.close()
+    try:
+        if not receiver.poll(timeout_s):
+            raise JobTimeout(f"the attempt ran longer than its limit of {timeout_s * 1000:.0f} ms "
+                             "and its process was killed")
+        try:
+            reply = json.loads(receiver.recv_bytes())
+        except (EOFError, OSError):
+            child.join(timeout=5)
+            raise ChildDied(f"the task's process exited with code {child.exitcode} "
+                            "before answering") from None
+    finally:
+        if child.is_alive():
+            child.kill()
+        child.join(timeout=5)
+        receiver.close()
+    if "value" in reply:
+        return reply["value"]
+    if reply["kind"] == "retry_later":
+        raise RetryLater(reply["delay_ms"], reply["message"])
+    if reply["kind"] == "permanent":
+        raise PermanentFailure(reply["message"])
+    raise ChildFailed(reply["class_path"], reply["message"], reply["traceback"])
+
+
+def _child_main(sender: Connection, payload_text: str, job_id: str, attempt: int,
+                worker_id: str, backend: str, queue: str, timeout_s: float) -> None:
+    """The child: resolve the task from the allow-list, run it, answer in JSON."""
+    # If the worker itself dies, nobody would kill this child: SIGALRM's
+    # default action ends it a second after its limit all the same.
+    signal.alarm(math.ceil(timeout_s) + 1)
+    from django.tasks import TaskContext, TaskResult, TaskResultStatus
+    from django.utils.json import normalize_json
+
+    from . import payload
+    from .tasks import lookup
+
+    try:
+        decoded = payload.decode(payload_text)
+        task = lookup(decoded.task_path)
+        if task is None:
+            raise PermanentFailure(f"{decoded.task_path!r} is not a registered task")
+        if task.takes_context:
+            result = TaskResult(
+                task=task.using(queue_name=queue), id=job_id, status=TaskResultStatus.RUNNING,
+                enqueued_at=None, started_at=None, finished_at=None, last_attempted_at=None,
+                args=decoded.args, kwargs=decoded.kwargs, backend=backend, errors=[],
+                worker_ids=[worker_id] * attempt,
+            )
+            value = task.call(TaskContext(task_result=result), *decoded.args, **decoded.kwargs)
+        else:
+            value = task.call(*decoded.args, **decoded.kwargs)
+        reply: dict[str, Any] = {"value": normalize_json(value)}
+    except RetryLater as exc:
+        reply = {"kind": "retry_later", "delay_ms": exc.delay_ms, "message": str(exc)}
+    except PermanentFailure as exc:
+        reply = {"kind": "permanent", "message": str(exc)}
+    except Exception as exc:
+        reply = {"kind": "error", "class_path": f"{type(exc).__module__}.{type(exc).__qualname__}",
+                 "message": str(exc), "traceback": "".join(traceback.format_exception(exc))}
+    sender.send_bytes(json.dumps(reply).encode())
+    sender.close()
