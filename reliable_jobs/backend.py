@@ -15,6 +15,7 @@ from functools import cached_property
 from typing import Any
 
 import redis
+from django.conf import settings
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 from django.db import transaction
@@ -59,11 +60,27 @@ class ReliableJobsBackend(BaseTaskBackend):
     def database(self) -> str:
         return self.config.DATABASE
 
+    def problems(self) -> list[tuple[str, str]]:
+        """What is wrong with this backend's settings, as (check id, message) pairs.
+
+        OPTIONS alone (``conf.parse``), plus what needs the rest of the
+        settings: an unknown DATABASE alias would otherwise surface as a
+        ConnectionDoesNotExist from the first enqueue.
+        """
+        problems = list(self.config.problems)
+        if self.config.DATABASE not in settings.DATABASES:
+            problems.append((
+                "reliable_jobs.E008",
+                f"OPTIONS['DATABASE'] is {self.config.DATABASE!r}, which is not in DATABASES.",
+            ))
+        return problems
+
     def _raise_if_misconfigured(self) -> None:
-        if self.config.problems:
+        problems = self.problems()
+        if problems:
             raise ImproperlyConfigured(
                 f"TASKS[{self.alias!r}] is misconfigured: "
-                + " ".join(message for _, message in self.config.problems)
+                + " ".join(message for _, message in problems)
             )
 
     # -- per-task settings ---------------------------------------------

@@ -16,11 +16,14 @@ from typing import TYPE_CHECKING
 
 import redis
 from django.apps import apps
-from django.conf import settings
 from django.core import checks
 
 from .broker import connect
+from .conf import mask_password
 from .keys import is_valid_queue_name
+
+# mask_password is imported from here by the worker too.
+__all__ = ["check_backend", "mask_password"]
 
 if TYPE_CHECKING:
     from .backend import ReliableJobsBackend
@@ -33,7 +36,7 @@ def check_backend(backend: ReliableJobsBackend) -> list[checks.CheckMessage]:
     where = f"TASKS[{backend.alias!r}]"
     messages: list[checks.CheckMessage] = [
         checks.Error(f"{where}: {message}", id=check_id)
-        for check_id, message in backend.config.problems
+        for check_id, message in backend.problems()
     ]
     for queue in sorted(backend.queues):
         if not is_valid_queue_name(queue):
@@ -42,12 +45,6 @@ def check_backend(backend: ReliableJobsBackend) -> list[checks.CheckMessage]:
                 hint="Use 1 to 100 letters, digits, '.', '_' or '-'.",
                 id="reliable_jobs.E005",
             ))
-    if backend.config.DATABASE not in settings.DATABASES:
-        messages.append(checks.Error(
-            f"{where}: OPTIONS['DATABASE'] is {backend.config.DATABASE!r}, which is not in "
-            "DATABASES.",
-            id="reliable_jobs.E008",
-        ))
     if not apps.is_installed("reliable_jobs"):
         messages.append(checks.Error(
             f"{where} uses reliable_jobs, but 'reliable_jobs' is not in INSTALLED_APPS.",
@@ -73,16 +70,3 @@ def _check_reachable(where: str, url: str) -> list[checks.CheckMessage]:
     finally:
         client.close()
     return []
-
-
-def mask_password(url: str) -> str:
-    """Return ``url`` with any password replaced by ``***`` (for logs)."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))

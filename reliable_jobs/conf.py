@@ -112,11 +112,9 @@ def parse(raw: Any) -> BackendOptions:
                 continue
         values[key] = value
     url = values.get("REDIS_URL", DEFAULTS.REDIS_URL)
-    if not isinstance(url, str) or urlsplit(url).scheme not in REDIS_SCHEMES:
-        problems.append(
-            ("reliable_jobs.E002", f"OPTIONS['REDIS_URL'] must be a redis://, rediss:// or "
-             f"unix:// URL, not {url!r}.")
-        )
+    url_problem = redis_url_problem(url)
+    if url_problem:
+        problems.append(("reliable_jobs.E002", url_problem))
         values.pop("REDIS_URL", None)
     prefix = values.get("PREFIX", DEFAULTS.PREFIX)
     if not isinstance(prefix, str) or not PREFIX_RE.match(prefix):
@@ -147,3 +145,42 @@ def parse(raw: Any) -> BackendOptions:
              "OPTIONS['RETRY_BASE_MS'].")
         )
     return BackendOptions(**values, problems=tuple(problems))
+
+
+def redis_url_problem(url: object) -> str:
+    """Say what is wrong with a REDIS_URL value, or return "" when it is usable.
+
+    The URL is parsed here, port included, so that a malformed one is an E002
+    from ``parse()`` rather than a ValueError from ``urlsplit`` (at backend
+    build time) or from redis-py (in the reachability check). Messages show
+    the URL with its password masked: check output ends up in CI logs.
+    """
+    if not isinstance(url, str):
+        return f"OPTIONS['REDIS_URL'] must be a redis://, rediss:// or unix:// URL, not {url!r}."
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 -- raises ValueError for a port that is not 0 to 65535
+    except ValueError:
+        # Not the ValueError's text: it can quote part of the netloc (the password).
+        return (f"OPTIONS['REDIS_URL'] {mask_password(url)!r} cannot be parsed: check its "
+                "host, its port (a number from 0 to 65535) and its brackets.")
+    if parts.scheme not in REDIS_SCHEMES:
+        return (f"OPTIONS['REDIS_URL'] must be a redis://, rediss:// or unix:// URL, not "
+                f"{mask_password(url)!r}.")
+    return ""
+
+
+def mask_password(url: str) -> str:
+    """Return ``url`` with any password replaced by ``***`` (for logs and messages).
+
+    Works on URLs ``urlsplit`` refuses too (a bad port, an unclosed IPv6
+    bracket), since those are exactly the ones an error message shows. Up to
+    the last ``@`` is user info, so an unescaped ``/`` or ``@`` in a password
+    is masked too (an ``@`` in the query only masks more than needed).
+    """
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, host_and_rest = rest.rpartition("@")
+    if not sep or not at or ":" not in userinfo:
+        return url
+    user = userinfo.split(":", 1)[0]
+    return f"{scheme}://{user}:***@{host_and_rest}"

@@ -71,6 +71,32 @@ BACKOFF_START_S, BACKOFF_MAX_S = 0.1, 5.0
 RECONCILE_EVERY_S = 30.0
 
 
+class Outage:
+    """Log a dependency's outage once: the first failure, then its return.
+
+    Retries repeat every few seconds while Redis or the database is down;
+    one ERROR line when it goes, one INFO line when it is back, DEBUG between.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.down_since: float | None = None
+
+    def failed(self, exc: BaseException, what: str) -> None:
+        if self.down_since is None:
+            self.down_since = time.monotonic()
+            logger.error("%s is unavailable (%s) while %s; retrying with backoff, holding "
+                         "every job (nothing is lost).", self.name, exc, what)
+        else:
+            logger.debug("%s still unavailable (%s) while %s.", self.name, exc, what)
+
+    def ok(self) -> None:
+        if self.down_since is not None:
+            logger.warning("%s is back after %.1f s.", self.name,
+                           time.monotonic() - self.down_since)
+            self.down_since = None
+
+
 @dataclass(slots=True)
 class Held:
     """A job in hand: claimed, maybe running, not yet acked."""
@@ -147,6 +173,8 @@ class Worker:
         self._claimed_total = 0
         self._finished_total = 0
         self._signals = 0
+        self._redis_outage = Outage("Redis")
+        self._db_outage = Outage("The database")
         self._started_at = time.time()
         self._next_renew = self._next_beat = self._next_sweep = 0.0
         self._next_reconcile = time.monotonic() + RECONCILE_EVERY_S
@@ -269,9 +297,9 @@ class Worker:
                     crash_point("after_blmove")
                     self._claim(queue, self._capacity(), moved_id)
                 backoff = BACKOFF_START_S
+                self._redis_outage.ok()
             except redis.RedisError as exc:
-                logger.error("Redis error in the worker loop: %s; retrying in %.1f s.",
-                             exc, backoff)
+                self._redis_outage.failed(exc, "claiming")
                 self._stopping.wait(backoff)
                 backoff = min(backoff * 2, BACKOFF_MAX_S)
 
@@ -352,7 +380,7 @@ class Worker:
             return self.sweep.reconcile(max_batches=10)
         except (DatabaseError, InterfaceError) as exc:
             logger.warning("Reconcile skipped: the database is unavailable (%s).", exc)
-            close_old_connections()
+            connections[self.config.DATABASE].close()
             return None
 
     def _renew(self) -> None:
@@ -366,7 +394,7 @@ class Worker:
                 kept = self.broker.extend(queue, [(h.job.id, h.job.attempt) for h in helds],
                                           lease_ms=self.config.LEASE_MS)
             except redis.RedisError as exc:
-                logger.warning("Lease renewal failed (%s); retrying.", exc)
+                self._redis_outage.failed(exc, "renewing leases")
                 self._next_renew = time.monotonic() + 0.2
                 continue
             for held, ok in zip(helds, kept, strict=True):
@@ -540,10 +568,10 @@ class Worker:
         while True:
             try:
                 mirror.record(self.config.DATABASE, [o.record for o in batch])
+                self._db_outage.ok()
                 return True
             except (DatabaseError, InterfaceError) as exc:
-                logger.error("The database refused %d mirror write(s) (%s); holding their acks "
-                             "and retrying in %.1f s.", len(batch), exc, backoff)
+                self._db_outage.failed(exc, f"writing {len(batch)} outcome(s) to the mirror")
                 connections[self.config.DATABASE].close()
             if self._hard_stop.wait(backoff):
                 return False
@@ -569,8 +597,7 @@ class Worker:
                     ])
                     break
                 except redis.RedisError as exc:
-                    logger.error("Redis refused %d ack(s) (%s); retrying in %.1f s.",
-                                 len(outcomes), exc, backoff)
+                    self._redis_outage.failed(exc, f"acking {len(outcomes)} job(s)")
                     if self._hard_stop.wait(backoff):
                         return
                     # Retried whole: both scripts are fenced, so a repeat is refused.
