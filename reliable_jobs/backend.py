@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Iterable, Sequence
+from dataclasses import fields
 from datetime import datetime
 from functools import cached_property
 from typing import Any
@@ -190,7 +191,7 @@ class ReliableJobsBackend(BaseTaskBackend):
 
         attempts = attempts or []
         if job.queue != task.queue_name or job.run_after != task.run_after:
-            task = task.using(queue_name=job.queue, run_after=job.run_after)
+            task = _as_enqueued(task, queue_name=job.queue, run_after=job.run_after)
         result = TaskResult(
             task=task,
             id=str(job.pk),
@@ -233,6 +234,22 @@ def mirror_job(alias: str, task: Task, args: Sequence[Any], kwargs: dict[str, An
         state=JobState.SCHEDULED if deferred else JobState.QUEUED,
         max_attempts=max_attempts, run_after=task.run_after, enqueued_at=now, updated_at=now,
     )
+
+
+def _as_enqueued(task: Task, *, queue_name: str, run_after: datetime | None) -> Task:
+    """Return ``task`` with the queue and run_after a job was enqueued with.
+
+    Not ``task.using()``: that validates against today's settings, so the
+    result of a job on a queue since removed from QUEUES could not be read,
+    and it cannot set run_after back to None. A stored job is history, not a
+    new request, so the copy is made without validating or registering it.
+    """
+    copy = object.__new__(type(task))
+    for f in fields(task):
+        object.__setattr__(copy, f.name, getattr(task, f.name))
+    object.__setattr__(copy, "queue_name", queue_name)
+    object.__setattr__(copy, "run_after", run_after)
+    return copy
 
 
 def _epoch_ms(moment: datetime | None) -> int:

@@ -83,6 +83,9 @@ def record(using: str, records: Iterable[AttemptRecord]) -> None:
         with transaction.atomic(using=using), connections[using].cursor() as cursor:
             _pg_write_attempts(cursor, list(merged.values()))
             _pg_write_jobs(cursor, list(newest.values()))
+            cursor.execute(_PG_CLOSE_ABANDONED, [ABANDONED_ERROR,
+                                                 [r.job_id for r in newest.values()],
+                                                 [r.attempt for r in newest.values()]])
         return
     now = timezone.now()
     with transaction.atomic(using=using):
@@ -93,6 +96,10 @@ def record(using: str, records: Iterable[AttemptRecord]) -> None:
             if rec.job_id in known:
                 jobs.filter(pk=rec.job_id, attempts__lte=rec.attempt).update(
                     **_job_changes(rec, now))
+                Attempt.objects.using(using).filter(
+                    job_id=rec.job_id, number__lt=rec.attempt, outcome=""
+                ).update(outcome=AttemptOutcome.LEASE_EXPIRED, finished_at=now,
+                         error=ABANDONED_ERROR)
 
 
 def _job_changes(rec: AttemptRecord, now: datetime) -> dict[str, Any]:
@@ -108,6 +115,10 @@ def _job_changes(rec: AttemptRecord, now: datetime) -> dict[str, Any]:
     return changes
 
 
+# An attempt whose lease expired stays 'lease_expired' whatever arrives later:
+# its worker lost the job (its ack was or will be refused), and a late result
+# is noted in the error instead of rewriting history.
+#
 # PostgreSQL: one statement per table per batch (PERF-NOTES: per-row
 # statements cap the drain at a few hundred jobs/s). Columns travel as
 # arrays through unnest(); fencing is in the WHERE clause, as in the ORM path.
@@ -124,8 +135,12 @@ ON CONFLICT (job_id, number) DO UPDATE SET
     worker_id = COALESCE(NULLIF(EXCLUDED.worker_id, ''), a.worker_id),
     started_at = COALESCE(a.started_at, EXCLUDED.started_at),
     finished_at = COALESCE(EXCLUDED.finished_at, a.finished_at),
-    outcome = COALESCE(NULLIF(EXCLUDED.outcome, ''), a.outcome),
-    error = COALESCE(NULLIF(EXCLUDED.error, ''), a.error),
+    outcome = CASE WHEN 'lease_expired' IN (a.outcome, EXCLUDED.outcome) THEN 'lease_expired'
+                   ELSE COALESCE(NULLIF(EXCLUDED.outcome, ''), a.outcome) END,
+    error = CASE WHEN a.outcome = 'lease_expired' AND EXCLUDED.outcome NOT IN ('', a.outcome)
+                 THEN a.error || '; the worker then finished this attempt late ('
+                      || EXCLUDED.outcome || ') and its result was discarded'
+                 ELSE COALESCE(NULLIF(EXCLUDED.error, ''), a.error) END,
     traceback = COALESCE(NULLIF(EXCLUDED.traceback, ''), a.traceback)
 """
 
@@ -144,6 +159,19 @@ FROM unnest(%s::uuid[], %s::int[], %s::text[], %s::timestamptz[], %s::timestampt
             %s::text[], %s::text[])
      AS v(id, attempt, state, started_at, finished_at, return_value, error)
 WHERE j.id = v.id AND j.attempts <= v.attempt
+"""
+
+
+# An earlier attempt still open when a later one is written was abandoned: its
+# worker died before anything recorded how it ended (the sweep that saw its
+# lease expire may have died too). Close it, so no attempt stays "running".
+ABANDONED_ERROR = ("reliable_jobs.exceptions.LeaseExpired: the worker stopped before this "
+                   "attempt was recorded as finished")
+_PG_CLOSE_ABANDONED = f"""
+UPDATE {Attempt._meta.db_table} AS a
+SET outcome = 'lease_expired', finished_at = now(), error = %s
+FROM unnest(%s::uuid[], %s::int[]) AS v(job_id, attempt)
+WHERE a.job_id = v.job_id AND a.number < v.attempt AND a.outcome = ''
 """
 
 
@@ -186,8 +214,11 @@ def _write_attempts(using: str, rows: Sequence[AttemptRecord]) -> None:
         row.worker_id = rec.worker_id or row.worker_id
         row.started_at = row.started_at or rec.started_at
         row.finished_at = rec.finished_at or row.finished_at
-        row.outcome = rec.outcome or row.outcome
-        row.error = rec.error or row.error
+        if row.outcome == AttemptOutcome.LEASE_EXPIRED and rec.outcome != row.outcome:
+            row.error += (f"; the worker then finished this attempt late ({rec.outcome}) and "
+                          "its result was discarded")
+        else:
+            row.outcome, row.error = rec.outcome or row.outcome, rec.error or row.error
         row.traceback = rec.traceback or row.traceback
         row.save(using=using, update_fields=["worker_id", "started_at", "finished_at",
                                              "outcome", "error", "traceback"])

@@ -256,15 +256,32 @@ class Worker:
         logger.info("Worker %s stopped: %s.", self.worker_id, self._summary())
 
     def _release(self, jobs: list[tuple[ClaimedJob, bool]]) -> None:
+        """Hand jobs back to queued now; record interrupted attempts as released."""
         by_queue: dict[str, list[tuple[str, int, bool]]] = defaultdict(list)
         for job, started in jobs:
             by_queue[job.queue].append((job.id, job.attempt, started))
+        released: list[AttemptRecord] = []
         for queue, entries in by_queue.items():
             try:
-                self.broker.release(queue, entries)
+                done = self.broker.release(queue, entries)
             except redis.RedisError as exc:
                 logger.warning("Could not release %d job(s) (%s); their leases will expire "
                                "and the sweep will recover them.", len(entries), exc)
+                continue
+            released += [
+                AttemptRecord(job_id=job_id, attempt=attempt, job_state=JobState.QUEUED,
+                              finished_at=timezone.now(), outcome=AttemptOutcome.RELEASED,
+                              error="reliable_jobs.worker: the worker stopped during this "
+                                    "attempt and handed the job back")
+                for (job_id, attempt, started), ok in zip(entries, done, strict=True)
+                if ok and started
+            ]
+        if released:
+            try:
+                mirror.record(self.config.DATABASE, released)
+            except (DatabaseError, InterfaceError) as exc:
+                logger.warning("Could not record %d released attempt(s) (%s).",
+                               len(released), exc)
         with self._lock:
             for job, _ in jobs:
                 self._in_hand.pop((job.queue, job.id), None)

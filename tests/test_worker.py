@@ -247,13 +247,13 @@ def test_real_sigkill_of_a_busy_worker_loses_nothing(
 
 
 @pytest.mark.crash
-def test_flushall_then_recoverjobs_rebuilds_every_job(
+def test_redis_flushed_then_recoverjobs_rebuilds_every_job(
     rj_settings: Any, processes: Processes, redis_client: redis.Redis
 ) -> None:
     # Given: jobs queued and scheduled, then Redis loses everything
     env = rj_settings()
     queued = [demo.add.enqueue(i, 1) for i in range(20)]
-    redis_client.flushall()
+    redis_client.flushdb()  # this suite's database: other databases are not ours
     assert redis_client.dbsize() == 0
 
     # When: the grace period passes and the sweep runs once

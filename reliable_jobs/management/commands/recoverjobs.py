@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 from typing import Any
 
@@ -36,17 +38,19 @@ class Command(BaseCommand):
         if interval is not None and interval <= 0:
             raise CommandError("--interval must be a positive number of seconds.")
         sweep = Sweep(backend)
-        try:
-            while True:
-                started = time.monotonic()
-                report = sweep.run_once()
-                if options["verbosity"] >= 1:
-                    self.stdout.write(
-                        f"Sweep of {', '.join(sweep.queues)}: {report} "
-                        f"({(time.monotonic() - started) * 1000:.0f} ms)."
-                    )
-                if interval is None:
-                    return
-                time.sleep(max(0.0, interval - (time.monotonic() - started)))
-        except KeyboardInterrupt:
-            return
+        stop = threading.Event()
+        # SIGTERM or Ctrl-C ends the loop after the pass under way: every step
+        # is atomic, so stopping between passes leaves nothing half done.
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: stop.set())
+        while not stop.is_set():
+            started = time.monotonic()
+            report = sweep.run_once()
+            if options["verbosity"] >= 1:
+                self.stdout.write(
+                    f"Sweep of {', '.join(sweep.queues)}: {report} "
+                    f"({(time.monotonic() - started) * 1000:.0f} ms)."
+                )
+            if interval is None:
+                return
+            stop.wait(max(0.0, interval - (time.monotonic() - started)))
