@@ -8,6 +8,7 @@ names only through :mod:`reliable_jobs.keys` and Lua only through
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -83,13 +84,18 @@ class QueueCounts:
 
 
 def connect(url: str, *, socket_timeout: float | None = SOCKET_TIMEOUT_S) -> redis.Redis:
-    """Open a client for ``url`` that decodes replies to ``str``."""
+    """Open a client for ``url`` that decodes replies to ``str``.
+
+    Connections are named ``reliable_jobs:<pid>`` so ``CLIENT LIST`` shows
+    which process holds which connection.
+    """
     return redis.Redis.from_url(
         url,
         decode_responses=True,
         socket_timeout=socket_timeout,
         socket_connect_timeout=5.0,
         health_check_interval=30,
+        client_name=f"reliable_jobs:{os.getpid()}",
     )
 
 
@@ -277,6 +283,15 @@ class Broker:
             pipe.zcard(k.dead)
             queued, running, scheduled, dead = pipe.execute()
         return QueueCounts(queued, running, scheduled, dead)
+
+    def lease_count(self, queue: str) -> int:
+        """Leases ``queue`` holds: 0 only once every claimed job was acked or recovered."""
+        return int(self.client.zcard(self.keys(queue).leases))
+
+    def worker_info(self, worker_id: str) -> dict[str, Any] | None:
+        """A worker's last heartbeat (queues, jobs in hand), or None once it expired."""
+        raw = self.client.get(worker_key(self.prefix, worker_id))
+        return json.loads(raw) if raw else None
 
     def heartbeat(self, worker_id: str, info: dict[str, Any], *, ttl_ms: int) -> None:
         """Record that a worker is alive, with what it holds, for ``ttl_ms``."""

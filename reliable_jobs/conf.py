@@ -117,7 +117,7 @@ def parse(raw: Any) -> BackendOptions:
         problems.append(("reliable_jobs.E002", url_problem))
         values.pop("REDIS_URL", None)
     prefix = values.get("PREFIX", DEFAULTS.PREFIX)
-    if not isinstance(prefix, str) or not PREFIX_RE.match(prefix):
+    if not isinstance(prefix, str) or not PREFIX_RE.fullmatch(prefix):
         problems.append(
             ("reliable_jobs.E005", f"OPTIONS['PREFIX'] {prefix!r} is not usable in a Redis key: "
              "use 1 to 100 letters, digits, '.', '_' or '-'.")

@@ -12,14 +12,14 @@ from dataclasses import dataclass
 
 #: Queue names may use letters, digits and ``._-`` (1 to 100 characters):
 #: braces would break the hash tag, and ``:`` would blur key boundaries.
-QUEUE_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
+QUEUE_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,100}")
 #: Prefixes follow the same rule, and may also not contain a hash tag.
 PREFIX_RE = QUEUE_NAME_RE
 
 
 def is_valid_queue_name(name: object) -> bool:
     """Return True when ``name`` can be used inside a key and a hash tag."""
-    return isinstance(name, str) and bool(QUEUE_NAME_RE.match(name))
+    return isinstance(name, str) and bool(QUEUE_NAME_RE.fullmatch(name))
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +35,7 @@ class QueueKeys:
                 f"Queue name {self.queue!r} is not usable: use 1 to 100 letters, "
                 "digits, '.', '_' or '-'."
             )
-        if not PREFIX_RE.match(self.prefix):
+        if not isinstance(self.prefix, str) or not PREFIX_RE.fullmatch(self.prefix):
             raise ValueError(
                 f"Key prefix {self.prefix!r} is not usable: use 1 to 100 letters, "
                 "digits, '.', '_' or '-'."

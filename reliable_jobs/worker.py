@@ -90,11 +90,13 @@ class Outage:
         else:
             logger.debug("%s still unavailable (%s) while %s.", self.name, exc, what)
 
-    def ok(self) -> None:
-        if self.down_since is not None:
-            logger.warning("%s is back after %.1f s.", self.name,
-                           time.monotonic() - self.down_since)
-            self.down_since = None
+    def ok(self) -> bool:
+        """Note a success; return True if this ends an outage."""
+        if self.down_since is None:
+            return False
+        logger.warning("%s is back after %.1f s.", self.name, time.monotonic() - self.down_since)
+        self.down_since = None
+        return True
 
 
 @dataclass(slots=True)
@@ -314,7 +316,12 @@ class Worker:
                     crash_point("after_blmove")
                     self._claim(queue, self._capacity(), moved_id)
                 backoff = BACKOFF_START_S
-                self._redis_outage.ok()
+                if self._redis_outage.ok():
+                    # Redis may have come back empty: reconcile as soon as the
+                    # grace period allows, not at the next routine pass.
+                    self._next_reconcile = min(
+                        self._next_reconcile,
+                        time.monotonic() + self.config.RECONCILE_GRACE_MS / 1000)
             except redis.RedisError as exc:
                 self._redis_outage.failed(exc, "claiming")
                 self._stopping.wait(backoff)

@@ -33,8 +33,11 @@ for i = 1, #ARGV, 2 do
     results[#results + 1] = 0
   end
 end
-if #done_ids > 0 then
-  redis.call('ZREM', leases_key, unpack(done_ids))
-  redis.call('DEL', unpack(done_keys))
+-- unpack() has a stack limit (about 8,000 values): work in chunks. A script
+-- that fails half-way is not rolled back.
+for i = 1, #done_ids, 1000 do
+  local last = math.min(i + 999, #done_ids)
+  redis.call('ZREM', leases_key, unpack(done_ids, i, last))
+  redis.call('DEL', unpack(done_keys, i, last))
 end
 return results

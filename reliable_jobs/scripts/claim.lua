@@ -11,14 +11,19 @@
   ARGV[1] count     how many jobs to claim at most
   ARGV[2] lease_ms  lease length in milliseconds
   ARGV[3] moved_id  an id the worker already moved onto processing with
-                    BLMOVE (stamped first), or '' for none
+                    BLMOVE (stamped first), or '' for none; ignored when it is
+                    no longer on processing (a sweep requeued it as an orphan
+                    while the worker stalled)
 
   Taking the batch with LRANGE + LTRIM + LPUSH inside one script is the same
   atomic move as LMOVE, for many ids at once: an id is always on exactly one
   of the two lists. Each claimed job gets attempts + 1 (the fencing token),
   state 'running' and a lease. A job whose attempts already reached
   max_attempts goes to dead instead (G3). An id with no job hash is garbage:
-  it is moved aside to dead and reported.
+  it is moved aside to dead and reported. A copy of an id whose job is not
+  'queued' is a stray and dropped, except the last copy of a 'running' job
+  on processing: that one belongs to the job's holder, and without it an
+  expired lease could never be recovered.
 
   Returns: { jobs, dead, garbage, remaining }
     jobs      flat list: id, attempt, max_attempts, payload (per job)
@@ -42,7 +47,10 @@ local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local deadline_ms = now_ms + lease_ms
 
 local ids = {}
-if moved_id ~= '' then
+-- Stamping a moved id that is back on queued would leave a running job off
+-- processing, out of recover's reach. BLMOVE pushed it on the left: LPOS
+-- finds it near the head.
+if moved_id ~= '' and redis.call('LPOS', processing_key, moved_id) then
   ids[1] = moved_id
 end
 local wanted = count - #ids
@@ -50,7 +58,11 @@ if wanted > 0 then
   local taken = redis.call('LRANGE', queued_key, -wanted, -1)
   if #taken > 0 then
     redis.call('LTRIM', queued_key, 0, -#taken - 1)
-    redis.call('LPUSH', processing_key, unpack(taken))
+    -- unpack() has a stack limit (about 8,000 values): push in chunks. A
+    -- script that fails half-way is not rolled back.
+    for i = 1, #taken, 1000 do
+      redis.call('LPUSH', processing_key, unpack(taken, i, math.min(i + 999, #taken)))
+    end
     for i = #taken, 1, -1 do
       ids[#ids + 1] = taken[i]
     end
@@ -66,8 +78,12 @@ for _, job_id in ipairs(ids) do
     redis.call('ZADD', dead_key, now_ms, job_id)
     garbage[#garbage + 1] = job_id
   elseif job[1] ~= 'queued' then
-    -- A stray second copy of a job that lives elsewhere: drop this copy.
-    redis.call('LREM', processing_key, 1, job_id)
+    -- A stray second copy of a job that lives elsewhere: drop this copy,
+    -- unless it is the only copy of a running job on processing.
+    if job[1] ~= 'running'
+        or #redis.call('LPOS', processing_key, job_id, 'COUNT', 2) > 1 then
+      redis.call('LREM', processing_key, 1, job_id)
+    end
   else
     local attempts = tonumber(job[2]) or 0
     local max_attempts = tonumber(job[3]) or 1
@@ -91,8 +107,8 @@ for _, job_id in ipairs(ids) do
     end
   end
 end
-if #lease_args > 0 then
-  redis.call('ZADD', leases_key, unpack(lease_args))
+for i = 1, #lease_args, 1000 do
+  redis.call('ZADD', leases_key, unpack(lease_args, i, math.min(i + 999, #lease_args)))
 end
 
 local remaining = redis.call('LLEN', queued_key)

@@ -7,7 +7,9 @@ import threading
 import time
 from typing import Any
 
+import redis
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import DatabaseError, connections
 from django.tasks import DEFAULT_TASK_BACKEND_ALIAS
 
 from reliable_jobs.management.commands.runworker import configure_logging, get_backend
@@ -45,7 +47,17 @@ class Command(BaseCommand):
             signal.signal(signum, lambda *_: stop.set())
         while not stop.is_set():
             started = time.monotonic()
-            report = sweep.run_once()
+            try:
+                report = sweep.run_once()
+            except (redis.RedisError, DatabaseError) as exc:
+                # Looping, a pass that cannot reach a server is simply retried
+                # at the next one: every step is safe to repeat.
+                if interval is None:
+                    raise CommandError(f"The sweep could not finish its pass: {exc}") from exc
+                self.stderr.write(f"Sweep pass failed ({exc}); retrying in {interval} s.")
+                connections[backend.config.DATABASE].close()
+                stop.wait(interval)
+                continue
             if options["verbosity"] >= 1:
                 self.stdout.write(
                     f"Sweep of {', '.join(sweep.queues)}: {report} "

@@ -1,0 +1,1280 @@
+"""Each Lua script alone, through the Broker, on a real Redis and a real Valkey.
+
+Every test builds its own :class:`Broker` under a key prefix of its own, so
+tests never see each other's keys. Deadlines are checked against the
+server's ``TIME`` read before and after the call (G4: one clock), never
+against this process's clock. Leases are tens of milliseconds and every
+wait is bounded by ``wait_until``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import redis
+from redis.crc import key_slot
+
+from reliable_jobs import scripts
+from reliable_jobs.broker import Broker, ClaimedJob, NewJob, QueueCounts, RecoveredJob
+from reliable_jobs.keys import QueueKeys
+from tests.conftest import wait_until
+
+Q = "work"
+#: A lease nobody outlives during a test.
+LONG_LEASE_MS = 60_000
+#: A lease that expires while the test waits for it.
+SHORT_LEASE_MS = 50
+
+
+# -- helpers ------------------------------------------------------------------
+
+
+@pytest.fixture
+def broker(server_url: str) -> Iterator[Broker]:
+    """A broker on the server under test, under a key prefix no other test uses."""
+    b = Broker(server_url, f"t{uuid.uuid4().hex[:12]}")
+    yield b
+    b.close()
+
+
+def new_job(job_id: str, *, max_attempts: int = 3, due_ms: int = 0, attempts: int = 0
+            ) -> NewJob:
+    payload = json.dumps({"task": "tests.noop", "args": [job_id], "kwargs": {}})
+    return NewJob(job_id, payload, max_attempts, due_ms=due_ms, attempts=attempts)
+
+
+def enqueue(broker: Broker, *job_ids: str, queue: str = Q, **options: Any) -> None:
+    """Enqueue each id in its own call, so the first id is the oldest."""
+    for job_id in job_ids:
+        assert broker.enqueue(queue, [new_job(job_id, **options)]) == 1
+
+
+def claim_one(broker: Broker, *, lease_ms: int = LONG_LEASE_MS, queue: str = Q) -> ClaimedJob:
+    result = broker.claim(queue, count=1, lease_ms=lease_ms)
+    assert len(result.jobs) == 1, result
+    return result.jobs[0]
+
+
+def hash_of(broker: Broker, job_id: str, queue: str = Q) -> dict[str, str]:
+    return broker.client.hgetall(broker.keys(queue).job(job_id))
+
+
+def queued(broker: Broker, queue: str = Q) -> list[str]:
+    """The queued list, left (newest) to right (next to run)."""
+    return broker.client.lrange(broker.keys(queue).queued, 0, -1)
+
+
+def processing(broker: Broker, queue: str = Q) -> list[str]:
+    return broker.client.lrange(broker.keys(queue).processing, 0, -1)
+
+
+def zset(broker: Broker, key: str) -> dict[str, int]:
+    return {member: int(score) for member, score in broker.client.zrange(key, 0, -1,
+                                                                          withscores=True)}
+
+
+def leases(broker: Broker, queue: str = Q) -> dict[str, int]:
+    return zset(broker, broker.keys(queue).leases)
+
+
+def scheduled(broker: Broker, queue: str = Q) -> dict[str, int]:
+    return zset(broker, broker.keys(queue).scheduled)
+
+
+def dead(broker: Broker, queue: str = Q) -> dict[str, int]:
+    return zset(broker, broker.keys(queue).dead)
+
+
+def wake_markers(broker: Broker, queue: str = Q) -> int:
+    return int(broker.client.llen(broker.keys(queue).wake))
+
+
+def snapshot(broker: Broker, job_ids: list[str], queue: str = Q) -> dict[str, Any]:
+    """Everything a script could change about a queue and some jobs."""
+    return {
+        "queued": queued(broker, queue),
+        "processing": processing(broker, queue),
+        "leases": leases(broker, queue),
+        "scheduled": scheduled(broker, queue),
+        "dead": dead(broker, queue),
+        "wake": wake_markers(broker, queue),
+        "jobs": {job_id: hash_of(broker, job_id, queue) for job_id in job_ids},
+    }
+
+
+def wait_past(broker: Broker, deadline_ms: int) -> None:
+    """Wait until the server's clock has passed ``deadline_ms``."""
+    wait_until(lambda: broker.server_time_ms() > deadline_ms, timeout=5.0, interval=0.01,
+               message=f"the server clock to pass {deadline_ms} ms")
+
+
+def assert_consistent(broker: Broker, queue: str = Q) -> None:
+    """Each job hash sits exactly where its state says, and nowhere else."""
+    k = broker.keys(queue)
+    on_queued, on_processing = queued(broker, queue), processing(broker, queue)
+    held, waiting, buried = leases(broker, queue), scheduled(broker, queue), dead(broker, queue)
+    for key in broker.client.scan_iter(match=f"{k.job_prefix}*", count=1_000):
+        job_id = key[len(k.job_prefix):]
+        state = broker.client.hget(key, "state")
+        where = (on_queued.count(job_id), on_processing.count(job_id),
+                 job_id in waiting, job_id in buried)
+        if state == "running":
+            assert where == (0, 1, False, False), (job_id, state, where)
+            assert job_id in held, f"running job {job_id} has no lease"
+        elif state == "queued":
+            # On processing with state 'queued': moved by BLMOVE, not yet claimed.
+            assert where in ((1, 0, False, False), (0, 1, False, False)), (job_id, state, where)
+        elif state == "scheduled":
+            assert where == (0, 0, True, False), (job_id, state, where)
+        elif state == "dead":
+            assert where == (0, 0, False, True), (job_id, state, where)
+            assert job_id not in held, f"dead job {job_id} still has a lease"
+        else:
+            raise AssertionError(f"job {job_id} has the unknown state {state!r}")
+
+
+# -- enqueue ------------------------------------------------------------------
+
+
+def test_enqueue_queues_due_jobs_and_schedules_future_ones(broker: Broker) -> None:
+    # Given the server's clock
+    now_ms = broker.server_time_ms()
+
+    # When three jobs are enqueued: one for now, one overdue, one in a minute
+    written = broker.enqueue(Q, [
+        new_job("now"),
+        new_job("overdue", due_ms=now_ms - 1_000),
+        new_job("later", due_ms=now_ms + 60_000, max_attempts=7),
+    ])
+    after_ms = broker.server_time_ms()
+
+    # Then the two due jobs are queued, oldest on the right, and the third is scheduled
+    assert written == 3
+    assert queued(broker) == ["overdue", "now"]
+    assert scheduled(broker) == {"later": now_ms + 60_000}
+    assert hash_of(broker, "now")["state"] == "queued"
+    later = hash_of(broker, "later")
+    assert later["state"] == "scheduled"
+    assert later["max_attempts"] == "7"
+    assert later["attempts"] == "0"
+    assert json.loads(later["payload"])["args"] == ["later"]
+    assert now_ms <= int(later["enqueued_ms"]) <= after_ms
+    assert processing(broker) == []
+    assert_consistent(broker)
+
+
+def test_enqueue_keeps_an_existing_job_untouched(broker: Broker) -> None:
+    # Given a queued job
+    enqueue(broker, "a")
+    before = snapshot(broker, ["a"])
+
+    # When the same id is enqueued again (a reconcile push racing the on-commit push),
+    # with another payload, and twice within one call
+    again = NewJob("a", '{"task":"other","args":[],"kwargs":{}}', 9)
+    written = broker.enqueue(Q, [again, again])
+
+    # Then nothing is written and the job is queued once, as it was
+    assert written == 0
+    assert snapshot(broker, ["a"]) == before
+    assert queued(broker) == ["a"]
+
+
+def test_enqueue_of_one_id_twice_in_one_call_writes_it_once(broker: Broker) -> None:
+    # When one call carries the same new id twice
+    written = broker.enqueue(Q, [new_job("a"), new_job("a")])
+
+    # Then it is written and queued once
+    assert written == 1
+    assert queued(broker) == ["a"]
+
+
+def test_enqueue_carries_spent_attempts_over(broker: Broker) -> None:
+    # Given a job the sweep rebuilds from the mirror, two of its three attempts spent
+    enqueue(broker, "a", attempts=2, max_attempts=3)
+
+    # When a worker claims it
+    job = claim_one(broker)
+
+    # Then the hash kept the count, and the claim is attempt three
+    assert job.attempt == 3
+    assert job.max_attempts == 3
+    assert hash_of(broker, "a")["attempts"] == "3"
+
+
+def test_enqueue_wakes_waiting_workers_with_at_most_one_marker(broker: Broker) -> None:
+    # Given a queue whose only job is scheduled: nothing to wake anybody for
+    enqueue(broker, "later", due_ms=broker.server_time_ms() + 60_000)
+    assert wake_markers(broker) == 0
+
+    # When ready jobs arrive in several calls
+    enqueue(broker, "a", "b", "c")
+
+    # Then one marker is waiting, however many calls pushed work
+    assert wake_markers(broker) == 1
+
+
+# -- claim --------------------------------------------------------------------
+
+
+def test_claim_takes_the_oldest_jobs_and_stamps_each(broker: Broker) -> None:
+    # Given four queued jobs, "a" the oldest, and no wake marker left
+    enqueue(broker, "a", "b", "c", "d")
+    broker.client.delete(broker.keys(Q).wake)
+
+    # When a worker claims three of them
+    before_ms = broker.server_time_ms()
+    result = broker.claim(Q, count=3, lease_ms=5_000)
+    after_ms = broker.server_time_ms()
+
+    # Then it gets the three oldest, oldest first, each at attempt one
+    assert [(j.id, j.attempt, j.max_attempts) for j in result.jobs] == [
+        ("a", 1, 3), ("b", 1, 3), ("c", 1, 3)]
+    assert json.loads(result.jobs[0].payload) == {"task": "tests.noop", "args": ["a"],
+                                                  "kwargs": {}}
+    assert result.dead == [] and result.garbage == [] and result.remaining == 1
+    # and each one is running, on processing, leased until server TIME + lease_ms
+    for job in result.jobs:
+        stored = hash_of(broker, job.id)
+        assert stored["state"] == "running"
+        assert stored["attempts"] == "1"
+        assert before_ms <= int(stored["started_ms"]) <= after_ms
+    assert sorted(processing(broker)) == ["a", "b", "c"]
+    assert queued(broker) == ["d"]
+    lease_table = leases(broker)
+    assert set(lease_table) == {"a", "b", "c"}
+    for deadline in lease_table.values():
+        assert before_ms + 5_000 <= deadline <= after_ms + 5_000
+    # and a marker says that work is left for another worker
+    assert wake_markers(broker) == 1
+    assert_consistent(broker)
+
+
+def test_claim_of_the_last_jobs_leaves_no_wake_marker(broker: Broker) -> None:
+    # Given two queued jobs and no marker
+    enqueue(broker, "a", "b")
+    broker.client.delete(broker.keys(Q).wake)
+
+    # When one claim takes them all
+    result = broker.claim(Q, count=10, lease_ms=LONG_LEASE_MS)
+
+    # Then nobody is woken for an empty queue
+    assert [j.id for j in result.jobs] == ["a", "b"]
+    assert result.remaining == 0
+    assert wake_markers(broker) == 0
+
+
+def test_claim_of_an_empty_queue_returns_nothing(broker: Broker) -> None:
+    # When a worker claims from a queue that never had a job
+    result = broker.claim(Q, count=5, lease_ms=LONG_LEASE_MS)
+
+    # Then it gets nothing, and nothing was written
+    assert (result.jobs, result.dead, result.garbage, result.remaining) == ([], [], [], 0)
+    assert broker.client.keys(f"{broker.prefix}:*") == []
+
+
+def test_each_claim_increments_attempts(broker: Broker) -> None:
+    # Given a job claimed once and put back at once after a failure
+    enqueue(broker, "a", max_attempts=5)
+    first = claim_one(broker)
+    assert broker.nack(Q, [("a", first.attempt, 0, "boom")]) == [True]
+
+    # When it is claimed again
+    second = claim_one(broker)
+
+    # Then the attempt number (the fencing token) went up by one
+    assert (first.attempt, second.attempt) == (1, 2)
+    assert hash_of(broker, "a")["attempts"] == "2"
+
+
+def test_claim_buries_a_job_with_no_attempt_left(broker: Broker) -> None:
+    # Given a job that already used both of its attempts, and a healthy one behind it
+    enqueue(broker, "spent", attempts=2, max_attempts=2)
+    enqueue(broker, "fresh")
+
+    # When a worker claims both
+    before_ms = broker.server_time_ms()
+    result = broker.claim(Q, count=2, lease_ms=LONG_LEASE_MS)
+    after_ms = broker.server_time_ms()
+
+    # Then the spent job is reported dead instead of run (G3), and the other runs
+    assert result.dead == [("spent", 2)]
+    assert [j.id for j in result.jobs] == ["fresh"]
+    stored = hash_of(broker, "spent")
+    assert stored["state"] == "dead"
+    assert stored["attempts"] == "2"
+    assert stored["last_error"].startswith("AttemptsExhausted")
+    assert before_ms <= dead(broker)["spent"] <= after_ms
+    assert processing(broker) == ["fresh"]
+    assert "spent" not in leases(broker)
+    assert_consistent(broker)
+
+
+def test_claim_moves_an_id_with_no_job_hash_aside(broker: Broker) -> None:
+    # Given a real job and, pushed behind it, an id whose hash does not exist
+    enqueue(broker, "real")
+    broker.client.lpush(broker.keys(Q).queued, "ghost")
+
+    # When a worker claims both
+    result = broker.claim(Q, count=5, lease_ms=LONG_LEASE_MS)
+
+    # Then the ghost is reported as garbage, put in dead, and off processing
+    assert result.garbage == ["ghost"]
+    assert [j.id for j in result.jobs] == ["real"]
+    assert "ghost" in dead(broker)
+    assert processing(broker) == ["real"]
+    assert set(leases(broker)) == {"real"}
+    assert queued(broker) == []
+
+
+def test_claim_stamps_the_id_blmove_moved(broker: Broker) -> None:
+    # Given two queued jobs, and a worker that moved the oldest with BLMOVE
+    enqueue(broker, "a", "b")
+    woken = broker.wait([Q], timeout_s=1.0)
+    assert woken == (Q, "a")
+    assert processing(broker) == ["a"]
+    assert hash_of(broker, "a")["state"] == "queued"
+
+    # When it claims with that moved id and room for one job only
+    result = broker.claim(Q, count=1, lease_ms=LONG_LEASE_MS, moved_id="a")
+
+    # Then the moved job is stamped, on processing once, and "b" still waits
+    assert [(j.id, j.attempt) for j in result.jobs] == [("a", 1)]
+    assert processing(broker) == ["a"]
+    assert set(leases(broker)) == {"a"}
+    assert queued(broker) == ["b"]
+    assert result.remaining == 1
+    assert_consistent(broker)
+
+
+def test_claim_stamps_the_moved_id_first_then_takes_a_batch(broker: Broker) -> None:
+    # Given three queued jobs, the oldest moved by BLMOVE
+    enqueue(broker, "a", "b", "c")
+    assert broker.wait([Q], timeout_s=1.0) == (Q, "a")
+
+    # When the worker claims with room for three
+    result = broker.claim(Q, count=3, lease_ms=LONG_LEASE_MS, moved_id="a")
+
+    # Then it holds all three, the moved one first
+    assert [j.id for j in result.jobs] == ["a", "b", "c"]
+    assert sorted(processing(broker)) == ["a", "b", "c"]
+    assert queued(broker) == []
+    assert_consistent(broker)
+
+
+def test_claim_skips_a_moved_id_that_a_sweep_requeued_meanwhile(broker: Broker) -> None:
+    # Given a worker that moved "a" with BLMOVE and then stalled, so that the
+    # sweep leased it as an orphan and requeued it when that lease expired
+    enqueue(broker, "a")
+    assert broker.wait([Q], timeout_s=1.0) == (Q, "a")
+    assert broker.recover(Q, lease_ms=SHORT_LEASE_MS).stamped == 1
+    wait_past(broker, leases(broker)["a"])
+    assert broker.recover(Q, lease_ms=SHORT_LEASE_MS).outcomes == [
+        RecoveredJob("a", 0, "orphan")]
+    assert queued(broker) == ["a"]
+
+    # When the stalled worker wakes up and claims the id it moved
+    result = broker.claim(Q, count=1, lease_ms=LONG_LEASE_MS, moved_id="a")
+
+    # Then the stale moved id is not stamped where it lies (on queued, where a
+    # running job would be out of recover's reach); the job is claimed the
+    # ordinary way instead: moved onto processing, at its first attempt
+    assert [(j.id, j.attempt) for j in result.jobs] == [("a", 1)]
+    assert queued(broker) == []
+    assert processing(broker) == ["a"]
+    assert_consistent(broker)
+    # and when that worker dies, the sweep gets the job back
+    assert broker.extend(Q, [("a", 1)], lease_ms=SHORT_LEASE_MS) == [True]
+    wait_past(broker, leases(broker)["a"])
+    assert broker.recover(Q, lease_ms=LONG_LEASE_MS).outcomes == [
+        RecoveredJob("a", 1, "expired")]
+
+
+def test_claim_keeps_the_only_copy_of_a_job_another_worker_holds(broker: Broker) -> None:
+    # Given "a" requeued as an orphan, moved again by worker two, and claimed
+    # first by the stalled worker one (whose moved id it also is)
+    enqueue(broker, "a")
+    assert broker.wait([Q], timeout_s=1.0) == (Q, "a")
+    broker.recover(Q, lease_ms=SHORT_LEASE_MS)
+    wait_past(broker, leases(broker)["a"])
+    broker.recover(Q, lease_ms=SHORT_LEASE_MS)
+    two = Broker(broker.url, broker.prefix)
+    try:
+        assert two.wait([Q], timeout_s=1.0) == (Q, "a")
+        held = broker.claim(Q, count=1, lease_ms=SHORT_LEASE_MS, moved_id="a")
+        assert [(j.id, j.attempt) for j in held.jobs] == [("a", 1)]
+
+        # When worker two claims its moved id too
+        second = two.claim(Q, count=1, lease_ms=LONG_LEASE_MS, moved_id="a")
+    finally:
+        two.close()
+
+    # Then worker two gets nothing, and the one copy on processing stays,
+    # so the job is recovered if worker one dies
+    assert second.jobs == []
+    assert processing(broker) == ["a"]
+    assert_consistent(broker)
+    wait_past(broker, leases(broker)["a"])
+    assert broker.recover(Q, lease_ms=LONG_LEASE_MS).outcomes == [
+        RecoveredJob("a", 1, "expired")]
+    assert queued(broker) == ["a"]
+
+
+def test_claim_drops_a_stray_second_copy_of_a_running_job(broker: Broker) -> None:
+    # Given a running job and a stray copy of its id on queued
+    enqueue(broker, "a", "b")
+    claim_one(broker)
+    broker.client.rpush(broker.keys(Q).queued, "a")
+    before = hash_of(broker, "a")
+
+    # When a worker claims the stray copy (and "b" behind it)
+    result = broker.claim(Q, count=2, lease_ms=LONG_LEASE_MS)
+
+    # Then only "b" is claimed and "a" is still held once, as it was
+    assert [j.id for j in result.jobs] == ["b"]
+    assert sorted(processing(broker)) == ["a", "b"]
+    assert hash_of(broker, "a") == before
+    assert_consistent(broker)
+
+
+def test_claim_of_a_batch_beyond_luas_unpack_limit(broker: Broker) -> None:
+    # Given more jobs than Lua's unpack() can spread in one call (about 8,000 values)
+    ids = [f"j{i}" for i in range(9_000)]
+    assert broker.enqueue(Q, [new_job(job_id) for job_id in ids]) == len(ids)
+
+    # When one claim takes all of them
+    result = broker.claim(Q, count=len(ids), lease_ms=LONG_LEASE_MS)
+
+    # Then every job is claimed and leased, oldest first
+    assert [j.id for j in result.jobs] == ids
+    assert len(leases(broker)) == len(ids)
+    assert broker.client.llen(broker.keys(Q).processing) == len(ids)
+
+    # When one ack finishes all of them
+    acked = broker.ack(Q, [(job_id, 1) for job_id in ids])
+
+    # Then nothing is left behind
+    assert acked == [True] * len(ids)
+    assert broker.counts(Q) == QueueCounts(queued=0, running=0, scheduled=0, dead=0)
+    assert leases(broker) == {}
+    assert list(broker.client.scan_iter(match=f"{broker.keys(Q).job_prefix}*")) == []
+
+
+# -- fencing: ack, nack, extend, release ---------------------------------------
+
+
+FencedOp = Callable[[Broker, str, int], list[bool]]
+
+FENCED_OPS: dict[str, FencedOp] = {
+    "ack": lambda b, job_id, attempt: b.ack(Q, [(job_id, attempt)]),
+    "nack-dead": lambda b, job_id, attempt: b.nack(Q, [(job_id, attempt, -1, "boom")]),
+    "nack-now": lambda b, job_id, attempt: b.nack(Q, [(job_id, attempt, 0, "boom")]),
+    "nack-later": lambda b, job_id, attempt: b.nack(Q, [(job_id, attempt, 5_000, "boom")]),
+    "extend": lambda b, job_id, attempt: b.extend(Q, [(job_id, attempt)], lease_ms=90_000),
+    "release-unstarted": lambda b, job_id, attempt: b.release(Q, [(job_id, attempt, False)]),
+    "release-started": lambda b, job_id, attempt: b.release(Q, [(job_id, attempt, True)]),
+}
+
+
+@pytest.mark.parametrize("op_name", sorted(FENCED_OPS))
+def test_a_stale_attempt_is_refused_and_changes_nothing(broker: Broker, op_name: str) -> None:
+    # Given a job whose first attempt failed and whose second attempt is now held
+    op = FENCED_OPS[op_name]
+    enqueue(broker, "a", max_attempts=5)
+    enqueue(broker, "other")
+    stale = claim_one(broker)
+    assert broker.nack(Q, [("a", stale.attempt, 0, "first failure")]) == [True]
+    broker.claim(Q, count=2, lease_ms=LONG_LEASE_MS)
+    assert hash_of(broker, "a")["attempts"] == "2"
+    before = snapshot(broker, ["a", "other"])
+
+    # When the worker of attempt one (or a confused one claiming attempt three) acts
+    refused = [op(broker, "a", 1), op(broker, "a", 3), op(broker, "unknown", 1)]
+
+    # Then each is refused and nothing changed: hash, lists and sorted sets
+    assert refused == [[False], [False], [False]]
+    assert snapshot(broker, ["a", "other"]) == before
+
+    # When the holder of attempt two does the same
+    # Then it is applied, so the refusal above was the fence at work
+    assert op(broker, "a", 2) == [True]
+    assert snapshot(broker, ["a", "other"]) != before
+
+
+def test_a_fenced_batch_answers_each_job_on_its_own(broker: Broker) -> None:
+    # Given two running jobs
+    enqueue(broker, "a", "b")
+    broker.claim(Q, count=2, lease_ms=LONG_LEASE_MS)
+    b_before = hash_of(broker, "b")
+
+    # When one ack carries a current attempt for "a" and a stale one for "b"
+    result = broker.ack(Q, [("a", 1), ("b", 0)])
+
+    # Then only "a" is acked
+    assert result == [True, False]
+    assert hash_of(broker, "a") == {}
+    assert hash_of(broker, "b") == b_before
+    assert processing(broker) == ["b"]
+
+
+def test_ack_frees_the_job(broker: Broker) -> None:
+    # Given two running jobs
+    enqueue(broker, "a", "b")
+    broker.claim(Q, count=2, lease_ms=LONG_LEASE_MS)
+
+    # When "a" is acked, twice
+    first = broker.ack(Q, [("a", 1)])
+    second = broker.ack(Q, [("a", 1)])
+
+    # Then the first ack frees it (history lives in the mirror), the second is refused
+    assert (first, second) == ([True], [False])
+    assert hash_of(broker, "a") == {}
+    assert processing(broker) == ["b"]
+    assert set(leases(broker)) == {"b"}
+    assert_consistent(broker)
+
+
+def test_nack_with_delay_minus_one_buries_the_job(broker: Broker) -> None:
+    # Given a running job with attempts left
+    enqueue(broker, "a", max_attempts=5)
+    job = claim_one(broker)
+
+    # When its worker reports a non-retryable failure
+    before_ms = broker.server_time_ms()
+    assert broker.nack(Q, [("a", job.attempt, -1, "PermanentFailure: no such user")]) == [True]
+    after_ms = broker.server_time_ms()
+
+    # Then it is dead with the error recorded, and off processing and leases
+    stored = hash_of(broker, "a")
+    assert stored["state"] == "dead"
+    assert stored["last_error"] == "PermanentFailure: no such user"
+    assert before_ms <= int(stored["finished_ms"]) <= after_ms
+    assert before_ms <= dead(broker)["a"] <= after_ms
+    assert (processing(broker), leases(broker), queued(broker)) == ([], {}, [])
+    assert_consistent(broker)
+
+
+def test_nack_with_delay_zero_queues_the_job_at_once(broker: Broker) -> None:
+    # Given a running job and another job waiting on queued, and no wake marker
+    enqueue(broker, "a")
+    job = claim_one(broker)
+    enqueue(broker, "waiting")
+    broker.client.delete(broker.keys(Q).wake)
+
+    # When its worker asks for an immediate retry
+    assert broker.nack(Q, [("a", job.attempt, 0, "ValueError: flaky")]) == [True]
+
+    # Then it is queued behind the job that was already waiting, error kept
+    stored = hash_of(broker, "a")
+    assert stored["state"] == "queued"
+    assert stored["last_error"] == "ValueError: flaky"
+    assert stored["attempts"] == "1"
+    assert queued(broker) == ["a", "waiting"]
+    assert (processing(broker), leases(broker)) == ([], {})
+    assert wake_markers(broker) == 1
+    assert_consistent(broker)
+
+
+def test_nack_with_a_delay_schedules_the_job_at_server_time_plus_delay(broker: Broker) -> None:
+    # Given a running job
+    enqueue(broker, "a")
+    job = claim_one(broker)
+
+    # When its worker asks for a retry in 30 s
+    before_ms = broker.server_time_ms()
+    assert broker.nack(Q, [("a", job.attempt, 30_000, "TimeoutError")]) == [True]
+    after_ms = broker.server_time_ms()
+
+    # Then it is scheduled at server TIME + 30 s, with the error kept
+    stored = hash_of(broker, "a")
+    assert stored["state"] == "scheduled"
+    assert stored["last_error"] == "TimeoutError"
+    due_ms = scheduled(broker)["a"]
+    assert before_ms + 30_000 <= due_ms <= after_ms + 30_000
+    assert (processing(broker), leases(broker), queued(broker)) == ([], {}, [])
+    assert_consistent(broker)
+
+
+def test_extend_pushes_the_lease_to_server_time_plus_lease(broker: Broker) -> None:
+    # Given a job leased for a short while
+    enqueue(broker, "a")
+    job = claim_one(broker, lease_ms=1_000)
+    old_deadline = leases(broker)["a"]
+
+    # When its worker renews the lease for a minute
+    before_ms = broker.server_time_ms()
+    assert broker.extend(Q, [("a", job.attempt)], lease_ms=LONG_LEASE_MS) == [True]
+    after_ms = broker.server_time_ms()
+
+    # Then the deadline is server TIME + one minute, and nothing else changed
+    new_deadline = leases(broker)["a"]
+    assert before_ms + LONG_LEASE_MS <= new_deadline <= after_ms + LONG_LEASE_MS
+    assert new_deadline > old_deadline
+    assert hash_of(broker, "a")["attempts"] == "1"
+
+
+def test_release_of_an_unstarted_job_gives_its_attempt_back(broker: Broker) -> None:
+    # Given a claimed job that never started, and another job waiting
+    enqueue(broker, "a")
+    job = claim_one(broker)
+    enqueue(broker, "waiting")
+    broker.client.delete(broker.keys(Q).wake)
+
+    # When the worker shuts down gracefully
+    assert broker.release(Q, [("a", job.attempt, False)]) == [True]
+
+    # Then the job is queued on the right, to run next, and the attempt is returned
+    stored = hash_of(broker, "a")
+    assert (stored["state"], stored["attempts"]) == ("queued", "0")
+    assert queued(broker) == ["waiting", "a"]
+    assert (processing(broker), leases(broker)) == ([], {})
+    assert wake_markers(broker) == 1
+    assert claim_one(broker).id == "a"
+
+
+def test_release_of_an_interrupted_job_keeps_its_attempt(broker: Broker) -> None:
+    # Given a claimed job that had started
+    enqueue(broker, "a")
+    job = claim_one(broker)
+
+    # When the worker shuts down in the middle of it
+    assert broker.release(Q, [("a", job.attempt, True)]) == [True]
+
+    # Then the job is queued again, and the attempt it used still counts
+    stored = hash_of(broker, "a")
+    assert (stored["state"], stored["attempts"]) == ("queued", "1")
+    assert queued(broker) == ["a"]
+    assert claim_one(broker).attempt == 2
+
+
+# -- recover ------------------------------------------------------------------
+
+
+def test_recover_requeues_an_expired_lease_on_the_right(broker: Broker) -> None:
+    # Given a job whose lease is about to expire, one safely leased, and one waiting
+    enqueue(broker, "lost", "alive")
+    lost = claim_one(broker, lease_ms=SHORT_LEASE_MS)
+    claim_one(broker, lease_ms=LONG_LEASE_MS)
+    enqueue(broker, "waiting")
+    broker.client.delete(broker.keys(Q).wake)
+    assert lost.id == "lost"
+    wait_past(broker, leases(broker)["lost"])
+
+    # When the sweep runs
+    result = broker.recover(Q, lease_ms=LONG_LEASE_MS)
+
+    # Then the expired job is back on the right of queued (it runs next), still
+    # counting the attempt it used, and the live one is untouched
+    assert result.outcomes == [RecoveredJob("lost", 1, "expired")]
+    assert result.stamped == 0
+    assert queued(broker) == ["waiting", "lost"]
+    stored = hash_of(broker, "lost")
+    assert (stored["state"], stored["attempts"]) == ("queued", "1")
+    assert processing(broker) == ["alive"]
+    assert set(leases(broker)) == {"alive"}
+    assert wake_markers(broker) == 1
+    assert_consistent(broker)
+    # and the next claim is the second attempt of the expired job
+    again = claim_one(broker)
+    assert (again.id, again.attempt) == ("lost", 2)
+
+
+def test_recover_buries_an_expired_job_with_no_attempt_left(broker: Broker) -> None:
+    # Given a one-attempt job whose lease expired
+    enqueue(broker, "a", max_attempts=1)
+    claim_one(broker, lease_ms=SHORT_LEASE_MS)
+    wait_past(broker, leases(broker)["a"])
+
+    # When the sweep runs
+    before_ms = broker.server_time_ms()
+    result = broker.recover(Q, lease_ms=LONG_LEASE_MS)
+    after_ms = broker.server_time_ms()
+
+    # Then the job is dead with the reason recorded
+    assert result.outcomes == [RecoveredJob("a", 1, "dead")]
+    stored = hash_of(broker, "a")
+    assert stored["state"] == "dead"
+    assert stored["last_error"].startswith("LeaseExpired")
+    assert before_ms <= dead(broker)["a"] <= after_ms
+    assert (queued(broker), processing(broker), leases(broker)) == ([], [], {})
+    assert_consistent(broker)
+
+
+def test_recover_leases_an_orphan_then_requeues_it_without_charging(broker: Broker) -> None:
+    # Given a job a worker moved with BLMOVE before dying (no claim, no lease)
+    enqueue(broker, "a")
+    assert broker.wait([Q], timeout_s=1.0) == (Q, "a")
+    broker.client.delete(broker.keys(Q).wake)
+
+    # When the sweep first sees it
+    before_ms = broker.server_time_ms()
+    first = broker.recover(Q, lease_ms=100)
+    after_ms = broker.server_time_ms()
+
+    # Then it gets a first lease, which is not an attempt
+    assert (first.outcomes, first.stamped) == ([], 1)
+    deadline = leases(broker)["a"]
+    assert before_ms + 100 <= deadline <= after_ms + 100
+    assert hash_of(broker, "a")["attempts"] == "0"
+    assert processing(broker) == ["a"]
+    # and a second pass before it expires leaves that lease alone
+    assert broker.recover(Q, lease_ms=100).stamped == 0
+    assert leases(broker) == {"a": deadline}
+
+    # When that lease expires and the sweep runs again
+    wait_past(broker, deadline)
+    result = broker.recover(Q, lease_ms=100)
+
+    # Then the job is requeued as an orphan, its attempts unchanged
+    assert result.outcomes == [RecoveredJob("a", 0, "orphan")]
+    stored = hash_of(broker, "a")
+    assert (stored["state"], stored["attempts"]) == ("queued", "0")
+    assert queued(broker) == ["a"]
+    assert (processing(broker), leases(broker)) == ([], {})
+    assert wake_markers(broker) == 1
+    assert claim_one(broker).attempt == 1
+
+
+def test_recover_moves_garbage_on_processing_aside(broker: Broker) -> None:
+    # Given an id on processing whose job hash does not exist
+    broker.client.lpush(broker.keys(Q).processing, "ghost")
+
+    # When the sweep leases it and finds it again after that lease expired
+    assert broker.recover(Q, lease_ms=SHORT_LEASE_MS).stamped == 1
+    wait_past(broker, leases(broker)["ghost"])
+    result = broker.recover(Q, lease_ms=SHORT_LEASE_MS)
+
+    # Then it is reported as garbage, put in dead, and removed from processing
+    assert result.outcomes == [RecoveredJob("ghost", 0, "garbage")]
+    assert "ghost" in dead(broker)
+    assert (processing(broker), leases(broker), queued(broker)) == ([], {}, [])
+
+
+def test_recover_drops_a_stray_copy_of_a_job_that_lives_elsewhere(broker: Broker) -> None:
+    # Given a scheduled job whose id also, wrongly, sits on processing
+    enqueue(broker, "a", due_ms=broker.server_time_ms() + 60_000)
+    broker.client.lpush(broker.keys(Q).processing, "a")
+    before = hash_of(broker, "a")
+
+    # When the sweep leases the stray and finds it again after that lease expired
+    broker.recover(Q, lease_ms=SHORT_LEASE_MS)
+    wait_past(broker, leases(broker)["a"])
+    result = broker.recover(Q, lease_ms=SHORT_LEASE_MS)
+
+    # Then the stray copy is dropped and the scheduled job is untouched
+    assert result.outcomes == [RecoveredJob("a", 0, "dropped")]
+    assert (processing(broker), leases(broker), queued(broker)) == ([], {}, [])
+    assert hash_of(broker, "a") == before
+    assert "a" in scheduled(broker)
+    assert_consistent(broker)
+
+
+# -- promote, cancel, revive --------------------------------------------------
+
+
+def test_promote_queues_only_due_jobs_earliest_first(broker: Broker) -> None:
+    # Given two jobs due soon, one due in a minute, and a stray id with no hash
+    now_ms = broker.server_time_ms()
+    enqueue(broker, "second", due_ms=now_ms + 150)
+    enqueue(broker, "first", due_ms=now_ms + 100)
+    enqueue(broker, "later", due_ms=now_ms + 60_000)
+    broker.client.zadd(broker.keys(Q).scheduled, {"ghost": 1})
+
+    # When the sweep promotes before anything real is due
+    # Then only the stray goes (dropped, not counted)
+    assert broker.promote(Q) == 0
+    assert set(scheduled(broker)) == {"second", "first", "later"}
+    assert queued(broker) == []
+    assert wake_markers(broker) == 0
+
+    # When it promotes once the two are due
+    wait_past(broker, now_ms + 150)
+    promoted = broker.promote(Q)
+
+    # Then both are queued, the earliest due on the right, and "later" waits on
+    assert promoted == 2
+    assert queued(broker) == ["second", "first"]
+    assert hash_of(broker, "first")["state"] == "queued"
+    assert set(scheduled(broker)) == {"later"}
+    assert wake_markers(broker) == 1
+    assert_consistent(broker)
+
+
+def test_cancel_removes_a_queued_job(broker: Broker) -> None:
+    # Given two queued jobs
+    enqueue(broker, "a", "b")
+
+    # When staff cancel one
+    result = broker.cancel(Q, "a")
+
+    # Then it is gone, the other is untouched
+    assert result == (True, "queued")
+    assert hash_of(broker, "a") == {}
+    assert queued(broker) == ["b"]
+
+
+def test_cancel_removes_a_scheduled_job(broker: Broker) -> None:
+    # Given a scheduled job
+    enqueue(broker, "a", due_ms=broker.server_time_ms() + 60_000)
+
+    # When staff cancel it
+    result = broker.cancel(Q, "a")
+
+    # Then it is gone
+    assert result == (True, "scheduled")
+    assert hash_of(broker, "a") == {}
+    assert scheduled(broker) == {}
+
+
+def test_cancel_refuses_a_running_job(broker: Broker) -> None:
+    # Given a running job
+    enqueue(broker, "a")
+    claim_one(broker)
+    before = snapshot(broker, ["a"])
+
+    # When staff try to cancel it, and a job that does not exist
+    result = broker.cancel(Q, "a")
+    missing = broker.cancel(Q, "nope")
+
+    # Then both are refused, saying what was found, and nothing changed
+    assert result == (False, "running")
+    assert missing == (False, "")
+    assert snapshot(broker, ["a"]) == before
+
+
+def test_revive_queues_a_dead_job_with_more_attempts(broker: Broker) -> None:
+    # Given a job buried after its first of three attempts
+    enqueue(broker, "a", max_attempts=3)
+    job = claim_one(broker)
+    broker.nack(Q, [("a", job.attempt, -1, "PermanentFailure: bad input")])
+    broker.client.delete(broker.keys(Q).wake)
+
+    # When staff revive it with two more attempts
+    revived = broker.revive(Q, "a", extra_attempts=2)
+
+    # Then it is queued with max_attempts = attempts + 2 and counting on from there
+    assert revived is True
+    stored = hash_of(broker, "a")
+    assert (stored["state"], stored["attempts"], stored["max_attempts"]) == ("queued", "1", "3")
+    assert "finished_ms" not in stored
+    assert dead(broker) == {}
+    assert queued(broker) == ["a"]
+    assert wake_markers(broker) == 1
+    again = claim_one(broker)
+    assert (again.attempt, again.max_attempts) == (2, 3)
+
+
+def test_revive_refuses_a_job_that_is_not_dead(broker: Broker) -> None:
+    # Given a queued job
+    enqueue(broker, "a")
+    before = snapshot(broker, ["a"])
+
+    # When staff try to revive it, and a job that does not exist
+    # Then both are refused and nothing changed
+    assert broker.revive(Q, "a", extra_attempts=2) is False
+    assert broker.revive(Q, "nope", extra_attempts=2) is False
+    assert snapshot(broker, ["a"]) == before
+
+
+def test_the_wake_marker_never_exceeds_one(broker: Broker) -> None:
+    # Given a marker already waiting
+    enqueue(broker, "a", "b", "c", "d")
+    assert wake_markers(broker) == 1
+
+    # When every script that pushes work runs while no worker takes the marker
+    jobs = broker.claim(Q, count=3, lease_ms=SHORT_LEASE_MS).jobs
+    broker.nack(Q, [(jobs[0].id, 1, 0, "retry now")])
+    broker.release(Q, [(jobs[1].id, 1, False)])
+    broker.nack(Q, [(jobs[2].id, 1, -1, "dead")])
+    broker.revive(Q, jobs[2].id, extra_attempts=1)
+    enqueue(broker, "soon", due_ms=broker.server_time_ms() + 50)
+    wait_past(broker, scheduled(broker)["soon"])
+    broker.promote(Q)
+    moved = broker.wait([Q], timeout_s=1.0)
+    assert moved is not None
+    broker.recover(Q, lease_ms=SHORT_LEASE_MS)
+    wait_past(broker, max(leases(broker).values()))
+    assert broker.recover(Q, lease_ms=SHORT_LEASE_MS).outcomes != []
+
+    # Then one marker is waiting, never a pile of them
+    assert wake_markers(broker) == 1
+
+
+# -- two clients at once ------------------------------------------------------
+
+
+def test_two_workers_claiming_at_once_claim_each_job_exactly_once(broker: Broker) -> None:
+    # Given many queued jobs and two workers, one claiming batches, the other
+    # moving with BLMOVE and claiming with the moved id
+    ids = [f"j{i}" for i in range(600)]
+    broker.enqueue(Q, [new_job(job_id) for job_id in ids])
+    start = threading.Barrier(2)
+
+    def batch_worker(b: Broker) -> list[ClaimedJob]:
+        held: list[ClaimedJob] = []
+        start.wait(timeout=10)
+        while True:
+            result = b.claim(Q, count=7, lease_ms=LONG_LEASE_MS)
+            held += result.jobs
+            if not result.jobs and result.remaining == 0:
+                return held
+
+    def blmove_worker(b: Broker) -> list[ClaimedJob]:
+        held: list[ClaimedJob] = []
+        start.wait(timeout=10)
+        while (woken := b.wait([Q], timeout_s=0.2)) is not None:
+            held += b.claim(Q, count=3, lease_ms=LONG_LEASE_MS, moved_id=woken[1]).jobs
+        return held
+
+    # When both drain the queue at once
+    brokers = [Broker(broker.url, broker.prefix) for _ in range(2)]
+    try:
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            futures = [pool.submit(batch_worker, brokers[0]),
+                       pool.submit(blmove_worker, brokers[1])]
+            claimed = [job for future in futures for job in future.result(timeout=30)]
+    finally:
+        for b in brokers:
+            b.close()
+
+    # Then every job was claimed exactly once, as attempt one, and is held
+    assert sorted(j.id for j in claimed) == sorted(ids)
+    assert {j.attempt for j in claimed} == {1}
+    assert sorted(processing(broker)) == sorted(ids)
+    assert set(leases(broker)) == set(ids)
+    assert queued(broker) == []
+    assert_consistent(broker)
+
+
+def claim_and_expire(broker: Broker, count: int) -> list[str]:
+    """Enqueue and claim ``count`` jobs with a short lease, and let it expire."""
+    ids = [f"j{i}" for i in range(count)]
+    broker.enqueue(Q, [new_job(job_id) for job_id in ids])
+    assert len(broker.claim(Q, count=count, lease_ms=SHORT_LEASE_MS).jobs) == count
+    wait_past(broker, max(leases(broker).values()))
+    return ids
+
+
+def test_recover_racing_ack_ends_each_job_acked_or_requeued_never_both(broker: Broker) -> None:
+    # Given many running jobs whose leases just expired while their worker finished them
+    ids = claim_and_expire(broker, 300)
+    start = threading.Barrier(2)
+
+    def acker(b: Broker) -> dict[str, bool]:
+        start.wait(timeout=10)
+        return {job_id: b.ack(Q, [(job_id, 1)])[0] for job_id in ids}
+
+    def sweeper(b: Broker) -> list[RecoveredJob]:
+        outcomes: list[RecoveredJob] = []
+        start.wait(timeout=10)
+        while batch := b.recover(Q, lease_ms=LONG_LEASE_MS, limit=3).outcomes:
+            outcomes += batch
+        return outcomes
+
+    # When the worker acks them one by one while the sweep recovers them
+    brokers = [Broker(broker.url, broker.prefix) for _ in range(2)]
+    try:
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            acks_future = pool.submit(acker, brokers[0])
+            recovered_future = pool.submit(sweeper, brokers[1])
+            acks, recovered = acks_future.result(timeout=30), recovered_future.result(timeout=30)
+    finally:
+        for b in brokers:
+            b.close()
+
+    # Then each job is either acked (gone) or requeued (refused ack), never both
+    acked = {job_id for job_id, ok in acks.items() if ok}
+    requeued = {r.id for r in recovered}
+    assert {r.kind for r in recovered} <= {"expired"}
+    assert len(requeued) == len(recovered)
+    assert acked.isdisjoint(requeued)
+    assert acked | requeued == set(ids)
+    assert sorted(queued(broker)) == sorted(requeued)
+    for job_id in acked:
+        assert hash_of(broker, job_id) == {}
+    for job_id in requeued:
+        assert hash_of(broker, job_id)["state"] == "queued"
+    assert (processing(broker), leases(broker)) == ([], {})
+    assert_consistent(broker)
+
+
+def test_two_sweeps_at_once_requeue_each_expired_job_once(broker: Broker) -> None:
+    # Given many running jobs whose leases expired
+    ids = claim_and_expire(broker, 300)
+    start = threading.Barrier(2)
+
+    def sweeper(b: Broker) -> list[RecoveredJob]:
+        outcomes: list[RecoveredJob] = []
+        start.wait(timeout=10)
+        while batch := b.recover(Q, lease_ms=LONG_LEASE_MS, limit=4).outcomes:
+            outcomes += batch
+        return outcomes
+
+    # When two sweeps recover the queue at the same time
+    brokers = [Broker(broker.url, broker.prefix) for _ in range(2)]
+    try:
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            futures = [pool.submit(sweeper, b) for b in brokers]
+            recovered = [r for future in futures for r in future.result(timeout=30)]
+    finally:
+        for b in brokers:
+            b.close()
+
+    # Then each job was requeued exactly once
+    assert sorted(r.id for r in recovered) == sorted(ids)
+    assert sorted(queued(broker)) == sorted(ids)
+    assert (processing(broker), leases(broker)) == ([], {})
+    assert_consistent(broker)
+
+
+# -- every key through KEYS ---------------------------------------------------
+
+#: Commands the scripts use whose first argument is their only key.
+ONE_KEY_COMMANDS = frozenset({
+    "EXISTS", "HDEL", "HGET", "HINCRBY", "HMGET", "HSET", "LLEN", "LPOS", "LPUSH", "LRANGE",
+    "LREM", "LTRIM", "RPUSH", "ZADD", "ZRANGEBYSCORE", "ZREM", "ZSCORE",
+})
+#: Commands whose every argument is a key.
+ALL_KEY_COMMANDS = frozenset({"DEL"})
+#: Commands that touch no key.
+KEYLESS_COMMANDS = frozenset({"TIME"})
+
+
+def strip_lua_comments(source: str) -> str:
+    source = re.sub(r"--\[\[.*?\]\]", "", source, flags=re.DOTALL)
+    return re.sub(r"--[^\n]*", "", source)
+
+
+def scan_call(text: str, start: int) -> tuple[list[str], int]:
+    """Read the arguments of a call whose "(" ends at ``start``; skip quoted strings.
+
+    Returns the top-level arguments and the index just past the closing ")".
+    """
+    arguments: list[str] = []
+    current, depth, quote, index = "", 1, "", start
+    while depth:
+        char = text[index]
+        index += 1
+        if quote:
+            quote = "" if char == quote and text[index - 2] != "\\" else quote
+        elif char in "'\"":
+            quote = char
+        elif char in "({[":
+            depth += 1
+        elif char in ")}]":
+            depth -= 1
+            if not depth:
+                break
+        elif char == "," and depth == 1:
+            arguments.append(current.strip())
+            current = ""
+            continue
+        current += char
+    arguments.append(current.strip())
+    return arguments, index
+
+
+def redis_calls(code: str) -> list[list[str]]:
+    """The argument lists of every redis.call / redis.pcall in ``code``."""
+    return [scan_call(code, match.end())[0]
+            for match in re.finditer(r"redis\.p?call\(", code)]
+
+
+def header_keys(source: str) -> list[tuple[int, str]]:
+    """(index, name) for each ``KEYS[i] name`` line of a script's header."""
+    header = re.match(r"--\[\[(.*?)\]\]", source, flags=re.DOTALL)
+    assert header, "the script does not open with a --[[ ]] header"
+    return [(int(index), "job prefix" if rest.startswith("job prefix") else rest.split()[0])
+            for index, rest in re.findall(r"^\s*KEYS\[(\d+)\]\s+(.+)$", header.group(1),
+                                          flags=re.MULTILINE)]
+
+
+def key_problems(source: str) -> list[str]:
+    """Every way ``source`` touches a key that did not arrive through KEYS."""
+    code = strip_lua_comments(source)
+    problems: list[str] = []
+    bound = dict(re.findall(r"\blocal\s+(\w+)\s*=\s*KEYS\[(\d+)\]", code))
+    if code.count("KEYS") != len(bound):
+        problems.append("KEYS is used other than in `local name = KEYS[i]`")
+    job_prefix = next((name for name in bound if name == "job_prefix"), None)
+    plain_keys = {name for name in bound if name != job_prefix}
+    job_keys: set[str] = set()
+    if job_prefix:
+        job_keys = set(re.findall(rf"\blocal\s+(\w+)\s*=\s*{job_prefix}\s*\.\.\s*\w+\s*$", code,
+                                  flags=re.MULTILINE))
+    for name in plain_keys | job_keys:
+        if len(re.findall(rf"(?<![.\w]){name}\s*=(?!=)", code)) != 1:
+            problems.append(f"the key local {name} is assigned more than once")
+    appended: dict[str, set[str]] = {}
+    for table, value in re.findall(r"(\w+)\[#\1\s*\+\s*1\]\s*=\s*(\w+)", code):
+        appended.setdefault(table, set()).add(value)
+    key_tables = {table for table, values in appended.items() if values <= job_keys}
+
+    def is_key(expression: str) -> bool:
+        unpacked = re.fullmatch(r"unpack\((\w+)(?:,.*)?\)", expression)
+        return (expression in plain_keys or expression in job_keys
+                or bool(job_prefix and re.fullmatch(rf"{job_prefix}\s*\.\.\s*\w+", expression))
+                or bool(unpacked and unpacked.group(1) in key_tables))
+
+    for arguments in redis_calls(code):
+        command = re.fullmatch(r"'(\w+)'|\"(\w+)\"", arguments[0])
+        if not command:
+            problems.append(f"the command {arguments[0]} is not a string literal")
+            continue
+        name = (command.group(1) or command.group(2)).upper()
+        if name in KEYLESS_COMMANDS:
+            continue
+        if name in ONE_KEY_COMMANDS:
+            keys = arguments[1:2]
+        elif name in ALL_KEY_COMMANDS:
+            keys = arguments[1:]
+        else:
+            problems.append(f"{name}: unknown command, add it to the tables in this test")
+            continue
+        problems += [f"{name} {key}: not a key from KEYS" for key in keys if not is_key(key)]
+    return problems
+
+
+@pytest.mark.parametrize("name", scripts.SCRIPT_NAMES)
+def test_every_key_a_script_touches_arrives_through_keys(name: str) -> None:
+    # Given a script's source
+    source = scripts.source(name)
+
+    # When its redis.call arguments are read (all of them: the parser misses none)
+    calls = redis_calls(strip_lua_comments(source))
+    assert len(calls) == strip_lua_comments(source).count("redis.call(") > 0
+    problems = key_problems(source)
+
+    # Then every key is a KEYS local or a job hash built from the KEYS job prefix
+    assert problems == []
+
+
+@pytest.mark.parametrize("name", scripts.SCRIPT_NAMES)
+def test_a_script_header_names_each_keys_slot_it_binds(name: str) -> None:
+    # Given a script's header and its code
+    source = scripts.source(name)
+    declared = header_keys(source)
+    bound = re.findall(r"\blocal\s+(\w+)\s*=\s*KEYS\[(\d+)\]", strip_lua_comments(source))
+
+    # Then the header lists KEYS[1..n] in order, and the code binds each to a
+    # local named after it (queued -> queued_key, job prefix -> job_prefix)
+    assert [index for index, _ in declared] == list(range(1, len(declared) + 1))
+    expected = [("job_prefix" if key == "job prefix" else f"{key}_key", str(index))
+                for index, key in declared]
+    assert bound == expected
+    for _, key in declared:
+        assert hasattr(QueueKeys, key.replace(" ", "_")), f"QueueKeys has no {key!r}"
+
+
+def test_the_key_check_catches_literal_and_argv_keys() -> None:
+    # Given scripts that build keys the ways the rule forbids
+    bad_scripts = {
+        "literal": "local q = KEYS[1]\nredis.call('LPUSH', 'rj:{x}:queued', ARGV[1])",
+        "argv": "local q = KEYS[1]\nredis.call('DEL', ARGV[1])",
+        "built": "local q = KEYS[1]\nredis.call('LLEN', q .. ':other')",
+        "keys inline": "redis.call('LLEN', KEYS[1])",
+        "prefix alone": "local job_prefix = KEYS[1]\nredis.call('DEL', job_prefix)",
+        "rebound": "local q = KEYS[1]\nq = ARGV[1]\nredis.call('LLEN', q)",
+        "mixed table": ("local job_prefix = KEYS[1]\nlocal k = job_prefix .. ARGV[1]\n"
+                        "local t = {}\nt[#t + 1] = k\nt[#t + 1] = other\n"
+                        "redis.call('DEL', unpack(t))"),
+    }
+
+    # When the check reads them
+    # Then it finds a problem in each one
+    for label, source in bad_scripts.items():
+        assert key_problems(source), f"the check missed the {label!r} key"
+
+
+def parse_monitor_line(line: str) -> tuple[str, list[str]]:
+    """Split a MONITOR line into its client ('lua' for a script) and arguments."""
+    match = re.match(r"[\d.]+ \[\d+ (\S*)\] (.*)$", line, flags=re.DOTALL)
+    assert match, line
+    arguments = [re.sub(r"\\(.)", r"\1", raw)
+                 for raw in re.findall(r'"((?:[^"\\]|\\.)*)"', match.group(2))]
+    return match.group(1), arguments
+
+
+def run_every_script(broker: Broker, queue: str) -> None:
+    """Call every Broker method that runs a script, on one queue."""
+    now_ms = broker.server_time_ms()
+    broker.enqueue(queue, [new_job("a"), new_job("b"), new_job("c"), new_job("d"),
+                           new_job("later", due_ms=now_ms + 60_000),
+                           new_job("soon", due_ms=now_ms - 1)])
+    broker.promote(queue)
+    jobs = broker.claim(queue, count=3, lease_ms=SHORT_LEASE_MS).jobs
+    broker.extend(queue, [(jobs[0].id, 1)], lease_ms=SHORT_LEASE_MS)
+    broker.ack(queue, [(jobs[0].id, 1)])
+    broker.nack(queue, [(jobs[1].id, 1, -1, "dead")])
+    broker.release(queue, [(jobs[2].id, 1, True)])
+    broker.recover(queue, lease_ms=SHORT_LEASE_MS)
+    broker.cancel(queue, "later")
+    broker.revive(queue, jobs[1].id, extra_attempts=1)
+
+
+def test_every_key_the_broker_passes_shares_the_queues_slot(broker: Broker) -> None:
+    # Given two queues that hash to different cluster slots, and a MONITOR
+    # connection recording every command the server runs, scripts' included
+    queues = ["alpha", "beta.2"]
+    assert key_slot(b"alpha") != key_slot(b"beta.2")
+    by_sha = {hashlib.sha1(scripts.source(n).encode()).hexdigest(): n
+              for n in scripts.SCRIPT_NAMES}
+    end = f"end-of-test-{uuid.uuid4().hex}"
+    monitor_client = redis.Redis.from_url(broker.url, decode_responses=True, socket_timeout=20)
+    ready = threading.Event()
+
+    def record() -> list[str]:
+        lines: list[str] = []
+        with monitor_client.monitor() as monitor:
+            ready.set()
+            while end not in (line := monitor.connection.read_response()):
+                lines.append(line)
+        return lines
+
+    # When every script runs on each queue
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        recording = pool.submit(record)
+        assert ready.wait(timeout=10)
+        for queue in queues:
+            run_every_script(broker, queue)
+        broker.client.echo(end)
+        lines = recording.result(timeout=30)
+    monitor_client.close()
+
+    # Then each script call named, in header order, the queue's own keys, all
+    # in the queue's slot, and each command it ran touched only those keys
+    seen: set[str] = set()
+    current: tuple[str, list[str]] | None = None
+    for line in lines:
+        client, arguments = parse_monitor_line(line)
+        if client != "lua":
+            current = None
+            if arguments[0].upper() == "EVALSHA" and arguments[1] in by_sha:
+                keys = arguments[3:3 + int(arguments[2])]
+                if keys and keys[0].startswith(f"{broker.prefix}:"):
+                    current = (by_sha[arguments[1]], keys)
+            continue
+        if current is None or arguments[0].upper() in KEYLESS_COMMANDS:
+            continue
+        name, keys = current
+        seen.add(name)
+        tag = re.search(r"\{(.+?)\}", keys[0])
+        assert tag, keys
+        queue = tag.group(1)
+        expected = [getattr(broker.keys(queue), key.replace(" ", "_"))
+                    for _, key in header_keys(scripts.source(name))]
+        assert keys == expected, (name, keys)
+        assert {key_slot(key.encode()) for key in keys} == {key_slot(queue.encode())}
+        touched = arguments[1:] if arguments[0].upper() in ALL_KEY_COMMANDS else arguments[1:2]
+        job_prefix = broker.keys(queue).job_prefix
+        for key in touched:
+            assert key in keys or key.startswith(job_prefix), (name, arguments)
+            assert key_slot(key.encode()) == key_slot(queue.encode()), (name, key)
+    assert seen == set(scripts.SCRIPT_NAMES)
