@@ -11,7 +11,7 @@ import json
 import os
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
@@ -65,8 +65,10 @@ class ClaimResult:
 class RecoveredJob:
     id: str
     attempts: int
-    #: 'expired', 'dead', 'orphan', 'garbage' or 'dropped'; see recover.lua.
+    #: 'expired', 'unstarted', 'dead', 'orphan', 'garbage' or 'dropped'; see recover.lua.
     kind: str
+    #: The job's budget after recovery (an unstarted claim is refunded).
+    max_attempts: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +191,14 @@ class Broker:
         dead = [(dead_flat[i], int(dead_flat[i + 1])) for i in range(0, len(dead_flat), 2)]
         return ClaimResult(jobs, dead, list(garbage), int(remaining))
 
+    def start(self, queue: str, held: Sequence[tuple[str, int]]) -> list[bool]:
+        """Mark held attempts as started; False where the attempt is no longer held."""
+        if not held:
+            return []
+        k = self.keys(queue)
+        args = [x for job_id, attempt in held for x in (job_id, attempt)]
+        return [bool(r) for r in self._run("start", (k.job_prefix,), args)]
+
     def ack(self, queue: str, held: Sequence[tuple[str, int]]) -> list[bool]:
         """Finish succeeded jobs; False where the attempt is no longer held."""
         if not held:
@@ -235,8 +245,9 @@ class Broker:
             (limit, lease_ms, ORPHAN_SCAN),
         )
         outcomes = [
-            RecoveredJob(outcomes_flat[i], int(outcomes_flat[i + 1]), outcomes_flat[i + 2])
-            for i in range(0, len(outcomes_flat), 3)
+            RecoveredJob(outcomes_flat[i], int(outcomes_flat[i + 1]), outcomes_flat[i + 3],
+                         max_attempts=int(outcomes_flat[i + 2]))
+            for i in range(0, len(outcomes_flat), 4)
         ]
         return RecoverResult(outcomes, int(stamped))
 

@@ -265,6 +265,14 @@ def touch(using: str, job_ids: Sequence[Any], *, state: str | None = None) -> No
     Job.objects.using(using).filter(pk__in=job_ids).update(**changes)
 
 
+def raise_budgets(using: str, budgets: dict[str, int]) -> None:
+    """Mirror refunds: a claim that never started gave its job one more attempt."""
+    jobs = Job.objects.using(using)
+    with transaction.atomic(using=using):
+        for job_id, max_attempts in budgets.items():
+            jobs.filter(pk=job_id).update(max_attempts=Greatest("max_attempts", max_attempts))
+
+
 def bury(using: str, job_id: str, *, attempts: int, error: str) -> None:
     """Mirror a death Redis already recorded (for example by recover)."""
     now = timezone.now()

@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
+from django.db import DatabaseError
 from django.utils import timezone
 
 from . import mirror, payload
@@ -61,9 +62,14 @@ class Sweep:
         self._cursor: str | None = None
 
     def redis_pass(self) -> tuple[SweepReport, list[AttemptRecord]]:
-        """Recover and promote every queue; return the mirror records to write."""
+        """Recover and promote every queue; return the mirror records to write.
+
+        Refunded budgets (claims that never started) are mirrored here at
+        once: they are only shown in the admin, and losing one loses nothing.
+        """
         report = SweepReport()
         records: list[AttemptRecord] = []
+        refunds: dict[str, int] = {}
         broker = self.backend.broker
         lease_ms = self.backend.config.LEASE_MS
         for queue in self.queues:
@@ -82,6 +88,9 @@ class Sweep:
                         job.id, job.attempts, dead=True,
                         error=f"reliable_jobs.exceptions.LeaseExpired: attempt {job.attempts} "
                               "stopped renewing its lease and no attempt is left"))
+                elif job.kind == "unstarted":
+                    report.requeued += 1
+                    refunds[job.id] = job.max_attempts
                 elif job.kind == "orphan":
                     report.requeued += 1
                 elif job.kind == "garbage":
@@ -89,6 +98,11 @@ class Sweep:
                     logger.warning("Moved aside %r found on queue %r: no such job.", job.id, queue)
             crash_point("sweep_after_recover")
             report.promoted += broker.promote(queue)
+        if refunds:
+            try:
+                mirror.raise_budgets(self.backend.config.DATABASE, refunds)
+            except DatabaseError as exc:
+                logger.warning("Could not mirror %d refunded attempt(s): %s", len(refunds), exc)
         return report, records
 
     def reconcile(self, *, max_batches: int | None = None) -> SweepReport:

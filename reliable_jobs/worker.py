@@ -99,6 +99,54 @@ class Outage:
         return True
 
 
+class StartMarks:
+    """Group commit of start marks: one script call for every thread waiting.
+
+    The first executor thread to arrive flushes the marks of all threads
+    that queued up meanwhile (leader/follower), so marking costs one Redis
+    round trip per group of starts, not per job.
+    """
+
+    def __init__(self, broker: Any) -> None:
+        self._broker = broker
+        self._cond = threading.Condition()
+        self._pending: list[list[Any]] = []
+        self._flushing = False
+
+    def mark(self, job: ClaimedJob) -> bool:
+        slot: list[Any] = [job, None]  # [job, True/False or the RedisError]
+        with self._cond:
+            self._pending.append(slot)
+            while slot[1] is None:
+                if self._flushing:
+                    self._cond.wait()
+                    continue
+                self._flushing = True
+                batch, self._pending = self._pending, []
+                self._cond.release()
+                try:
+                    self._flush(batch)
+                finally:
+                    self._cond.acquire()
+                    self._flushing = False
+                    self._cond.notify_all()
+        if isinstance(slot[1], BaseException):
+            raise slot[1]
+        return bool(slot[1])
+
+    def _flush(self, batch: list[list[Any]]) -> None:
+        by_queue: dict[str, list[list[Any]]] = defaultdict(list)
+        for slot in batch:
+            by_queue[slot[0].queue].append(slot)
+        for queue, slots in by_queue.items():
+            try:
+                marked = self._broker.start(queue, [(s[0].id, s[0].attempt) for s in slots])
+            except redis.RedisError as exc:
+                marked = [exc] * len(slots)
+            for slot, result in zip(slots, marked, strict=True):
+                slot[1] = result
+
+
 @dataclass(slots=True)
 class Held:
     """A job in hand: claimed, maybe running, not yet acked."""
@@ -164,6 +212,10 @@ class Worker:
         self.broker = backend.broker
         self.sweep = Sweep(backend, self.queues)
         self.stats = WorkerStats()
+        self._start_marks = StartMarks(self.broker)
+        #: Outcomes handed to the finisher, and a condition on their flushing.
+        self._outcomes_total = 0
+        self._flushed = threading.Condition()
 
         self._in_hand: dict[tuple[str, str], Held] = {}
         self._lock = threading.Lock()
@@ -263,6 +315,8 @@ class Worker:
         for job, started in jobs:
             by_queue[job.queue].append((job.id, job.attempt, started))
         released: list[AttemptRecord] = []
+        budgets = {job.id: job.max_attempts + 1 for job, _ in jobs}
+        refunds: dict[str, int] = {}
         for queue, entries in by_queue.items():
             try:
                 done = self.broker.release(queue, entries)
@@ -278,12 +332,15 @@ class Worker:
                 for (job_id, attempt, started), ok in zip(entries, done, strict=True)
                 if ok and started
             ]
-        if released:
-            try:
+            refunds.update({job_id: budgets[job_id] for (job_id, _, started), ok
+                            in zip(entries, done, strict=True) if ok and not started})
+        try:
+            if released:
                 mirror.record(self.config.DATABASE, released)
-            except (DatabaseError, InterfaceError) as exc:
-                logger.warning("Could not record %d released attempt(s) (%s).",
-                               len(released), exc)
+            if refunds:
+                mirror.raise_budgets(self.config.DATABASE, refunds)
+        except (DatabaseError, InterfaceError) as exc:
+            logger.warning("Could not mirror %d released job(s) (%s).", len(jobs), exc)
         with self._lock:
             for job, _ in jobs:
                 self._in_hand.pop((job.queue, job.id), None)
@@ -389,8 +446,7 @@ class Worker:
         if now >= self._next_sweep:
             self._next_sweep = now + self.config.SWEEP_INTERVAL_MS / 1000
             report, records = self.sweep.redis_pass()
-            for record in records:
-                self._done.put(Outcome(record))
+            self._record_now(records)
             if report.requeued or report.dead or report.garbage:
                 logger.info("Sweep: %s.", report)
             if self.progress and self.burst:
@@ -398,6 +454,19 @@ class Worker:
         if now >= self._next_reconcile:
             self._next_reconcile = now + RECONCILE_EVERY_S
             self._reconcile()
+
+    def _record_now(self, records: list[AttemptRecord]) -> None:
+        """Mirror sweep results before going on: a poison job may kill this
+        process with its next attempt, and its history must keep this one.
+        The finisher takes them instead if the database is down."""
+        if not records:
+            return
+        try:
+            mirror.record(self.config.DATABASE, records)
+        except (DatabaseError, InterfaceError):
+            connections[self.config.DATABASE].close()
+            for record in records:
+                self._done.put(Outcome(record))
 
     def _reconcile(self) -> SweepReport | None:
         try:
@@ -461,11 +530,56 @@ class Worker:
             finally:
                 close_old_connections()
 
-    def _execute(self, job: ClaimedJob) -> None:
+    def _mark_started(self, job: ClaimedJob) -> bool:
+        """Record in Redis that ``job`` starts now; False if it is no longer ours.
+
+        Must succeed before the task runs (see start.lua): while Redis is
+        unreachable the job waits here, its lease renewed by the main thread.
+        """
+        backoff = BACKOFF_START_S
+        while True:
+            try:
+                marked = self._start_marks.mark(job)
+                break
+            except redis.RedisError as exc:
+                self._redis_outage.failed(exc, "marking a job started")
+                if self._hard_stop.wait(backoff):
+                    return False
+                backoff = min(backoff * 2, BACKOFF_MAX_S)
         with self._lock:
             held = self._in_hand.get((job.queue, job.id))
-            if held is not None:
+            if held is not None and marked:
                 held.started = True
+            elif held is not None:
+                self._in_hand.pop((job.queue, job.id), None)
+                self._slot_freed.set()
+        if not marked:
+            logger.warning("Job %s attempt %d is no longer held (lease lost before it "
+                           "started); not running it.", job.id, job.attempt)
+        return marked
+
+    def _finish(self, outcome: Outcome) -> None:
+        with self._flushed:
+            self._outcomes_total += 1
+        self._done.put(outcome)
+
+    def _wait_until_flushed(self) -> None:
+        """Block until every outcome handed to the finisher so far is mirrored and acked.
+
+        A job on its second attempt or later may be one that crashed its
+        worker. Before it runs again, the jobs this worker already finished
+        are made durable, so a poison job cannot make them run again.
+        """
+        with self._flushed:
+            target = self._outcomes_total
+            while self._finished_total < target and not self._hard_stop.is_set():
+                self._flushed.wait(timeout=0.5)
+
+    def _execute(self, job: ClaimedJob) -> None:
+        if job.attempt > 1:
+            self._wait_until_flushed()
+        if not self._mark_started(job):
+            return
         started_at = timezone.now()
         started_clock = time.perf_counter()
         record = AttemptRecord(job_id=job.id, attempt=job.attempt, job_state=JobState.RUNNING,
@@ -509,7 +623,7 @@ class Worker:
                                  job_state=JobState.SUCCEEDED, worker_id=self.worker_id,
                                  started_at=started_at, finished_at=finished_at,
                                  outcome=AttemptOutcome.SUCCEEDED, return_value=value)
-            self._done.put(Outcome(done, job=job, delay_ms=None))
+            self._finish(Outcome(done, job=job, delay_ms=None))
             logger.info("Job %s %s attempt %d/%d succeeded in %.1f ms.", job.id, task_path,
                         job.attempt, job.max_attempts,
                         (time.perf_counter() - started_clock) * 1000)
@@ -554,7 +668,7 @@ class Worker:
             object.__setattr__(result, "status", TaskResultStatus.FAILED)
             object.__setattr__(result, "finished_at", record.finished_at)
             task_finished.send(type(self.backend), task_result=result)
-        self._done.put(Outcome(record, job=job, delay_ms=delay_ms))
+        self._finish(Outcome(record, job=job, delay_ms=delay_ms))
         level = logging.WARNING if state == JobState.DEAD else logging.INFO
         logger.log(level, "Job %s %s attempt %d/%d failed in %.1f ms: %s; %s.", job.id,
                    task_path, job.attempt, job.max_attempts,
@@ -632,7 +746,9 @@ class Worker:
             for outcome in finished:
                 assert outcome.job is not None
                 self._in_hand.pop((outcome.job.queue, outcome.job.id), None)
-        self._finished_total += len(finished)
+        with self._flushed:
+            self._finished_total += len(finished)
+            self._flushed.notify_all()
         self._slot_freed.set()
 
     def _count(self, acks: list[Outcome], acked: list[bool],

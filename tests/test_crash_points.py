@@ -139,7 +139,10 @@ def test_three_sweeps_at_once_with_crashing_workers(
 
     # Then: nothing lost, and no job was ever queued twice by racing sweeps
     assert_all_succeeded(results, redis_client)
-    assert max(Job.objects.values_list("attempts", flat=True)) <= 3
+    # (attempt numbers may skip claims refunded because they never started; the
+    # attempts that did run stay within the budget)
+    for result in results:
+        assert Attempt.objects.filter(job_id=result.id).count() <= 3
     for proc in (*sweeps, survivor):
         proc.terminate()
         assert proc.wait(timeout=30) == 0

@@ -391,6 +391,7 @@ def test_claim_skips_a_moved_id_that_a_sweep_requeued_meanwhile(broker: Broker) 
     assert processing(broker) == ["a"]
     assert_consistent(broker)
     # and when that worker dies, the sweep gets the job back
+    assert broker.start(Q, [("a", 1)]) == [True]
     assert broker.extend(Q, [("a", 1)], lease_ms=SHORT_LEASE_MS) == [True]
     wait_past(broker, leases(broker)["a"])
     assert broker.recover(Q, lease_ms=LONG_LEASE_MS).outcomes == [
@@ -410,6 +411,7 @@ def test_claim_keeps_the_only_copy_of_a_job_another_worker_holds(broker: Broker)
         assert two.wait([Q], timeout_s=1.0) == (Q, "a")
         held = broker.claim(Q, count=1, lease_ms=SHORT_LEASE_MS, moved_id="a")
         assert [(j.id, j.attempt) for j in held.jobs] == [("a", 1)]
+        assert broker.start(Q, [("a", 1)]) == [True]
 
         # When worker two claims its moved id too
         second = two.claim(Q, count=1, lease_ms=LONG_LEASE_MS, moved_id="a")
@@ -630,9 +632,11 @@ def test_release_of_an_unstarted_job_gives_its_attempt_back(broker: Broker) -> N
     # When the worker shuts down gracefully
     assert broker.release(Q, [("a", job.attempt, False)]) == [True]
 
-    # Then the job is queued on the right, to run next, and the attempt is returned
+    # Then the job is queued on the right, to run next, and the attempt is
+    # returned: the budget grows by one (the counter itself never goes down,
+    # so the fencing token 1 is never handed out again)
     stored = hash_of(broker, "a")
-    assert (stored["state"], stored["attempts"]) == ("queued", "0")
+    assert (stored["state"], stored["attempts"], stored["max_attempts"]) == ("queued", "1", "4")
     assert queued(broker) == ["waiting", "a"]
     assert (processing(broker), leases(broker)) == ([], {})
     assert wake_markers(broker) == 1
@@ -654,6 +658,74 @@ def test_release_of_an_interrupted_job_keeps_its_attempt(broker: Broker) -> None
     assert claim_one(broker).attempt == 2
 
 
+# -- start ----------------------------------------------------------------------
+
+
+def test_start_marks_only_the_attempt_still_held(broker: Broker) -> None:
+    # Given a job claimed twice: attempt 1's lease was lost, attempt 2 holds it
+    enqueue(broker, "a")
+    first = claim_one(broker, lease_ms=SHORT_LEASE_MS)
+    wait_past(broker, leases(broker)["a"])
+    broker.recover(Q, lease_ms=LONG_LEASE_MS)
+    second = claim_one(broker)
+    assert (first.attempt, second.attempt) == (1, 2)
+
+    # When both workers try to start it
+    # Then only the holder of attempt 2 may run it
+    assert broker.start(Q, [("a", first.attempt)]) == [False]
+    assert broker.start(Q, [("a", second.attempt), ("missing", 1)]) == [True, False]
+    assert hash_of(broker, "a")["started"] == "2"
+    assert_consistent(broker)
+
+
+def test_recover_refunds_an_expired_claim_that_never_started(broker: Broker) -> None:
+    # Given two jobs claimed together by a worker that started only the first
+    # before it died (a poison job and a neighbour waiting behind it)
+    enqueue(broker, "poison", "neighbour")
+    jobs = broker.claim(Q, count=2, lease_ms=SHORT_LEASE_MS).jobs
+    assert [j.id for j in jobs] == ["poison", "neighbour"]
+    assert broker.start(Q, [("poison", 1)]) == [True]
+    wait_past(broker, max(leases(broker).values()))
+
+    # When the sweep recovers both
+    result = broker.recover(Q, lease_ms=LONG_LEASE_MS)
+
+    # Then the one that ran is charged; the one that never started gets its
+    # attempt back (its budget grows, its attempt counter never goes down)
+    by_id = {r.id: r for r in result.outcomes}
+    assert (by_id["poison"].kind, by_id["poison"].max_attempts) == ("expired", 3)
+    assert (by_id["neighbour"].kind, by_id["neighbour"].max_attempts) == ("unstarted", 4)
+    neighbour = hash_of(broker, "neighbour")
+    assert (neighbour["state"], neighbour["attempts"], neighbour["max_attempts"]) == (
+        "queued", "1", "4")
+    assert sorted(queued(broker)) == ["neighbour", "poison"]
+    assert_consistent(broker)
+
+
+def test_a_job_killing_its_worker_every_time_dies_without_taking_neighbours(
+    broker: Broker
+) -> None:
+    # Given a poison job (max 3 attempts) always claimed in one batch with a neighbour
+    enqueue(broker, "poison", "neighbour")
+    for _ in range(3):
+        jobs = broker.claim(Q, count=2, lease_ms=SHORT_LEASE_MS).jobs
+        assert {j.id for j in jobs} == {"poison", "neighbour"}
+        poison = next(j for j in jobs if j.id == "poison")
+        # When its worker starts it and dies, three times over
+        assert broker.start(Q, [("poison", poison.attempt)]) == [True]
+        wait_past(broker, max(leases(broker).values()))
+        broker.recover(Q, lease_ms=LONG_LEASE_MS)
+
+    # Then the poison job is dead after its three attempts, and the neighbour,
+    # never started, is still queued with its whole budget of runs ahead
+    assert hash_of(broker, "poison")["state"] == "dead"
+    assert set(dead(broker)) == {"poison"}
+    neighbour = hash_of(broker, "neighbour")
+    assert neighbour["state"] == "queued"
+    assert int(neighbour["max_attempts"]) - int(neighbour["attempts"]) == 3
+    assert_consistent(broker)
+
+
 # -- recover ------------------------------------------------------------------
 
 
@@ -661,6 +733,7 @@ def test_recover_requeues_an_expired_lease_on_the_right(broker: Broker) -> None:
     # Given a job whose lease is about to expire, one safely leased, and one waiting
     enqueue(broker, "lost", "alive")
     lost = claim_one(broker, lease_ms=SHORT_LEASE_MS)
+    assert broker.start(Q, [(lost.id, lost.attempt)]) == [True]
     claim_one(broker, lease_ms=LONG_LEASE_MS)
     enqueue(broker, "waiting")
     broker.client.delete(broker.keys(Q).wake)
@@ -689,7 +762,8 @@ def test_recover_requeues_an_expired_lease_on_the_right(broker: Broker) -> None:
 def test_recover_buries_an_expired_job_with_no_attempt_left(broker: Broker) -> None:
     # Given a one-attempt job whose lease expired
     enqueue(broker, "a", max_attempts=1)
-    claim_one(broker, lease_ms=SHORT_LEASE_MS)
+    job = claim_one(broker, lease_ms=SHORT_LEASE_MS)
+    assert broker.start(Q, [(job.id, job.attempt)]) == [True]
     wait_past(broker, leases(broker)["a"])
 
     # When the sweep runs
@@ -957,7 +1031,9 @@ def claim_and_expire(broker: Broker, count: int) -> list[str]:
     """Enqueue and claim ``count`` jobs with a short lease, and let it expire."""
     ids = [f"j{i}" for i in range(count)]
     broker.enqueue(Q, [new_job(job_id) for job_id in ids])
-    assert len(broker.claim(Q, count=count, lease_ms=SHORT_LEASE_MS).jobs) == count
+    jobs = broker.claim(Q, count=count, lease_ms=SHORT_LEASE_MS).jobs
+    assert len(jobs) == count
+    assert broker.start(Q, [(j.id, j.attempt) for j in jobs]) == [True] * count
     wait_past(broker, max(leases(broker).values()))
     return ids
 
@@ -1210,6 +1286,7 @@ def run_every_script(broker: Broker, queue: str) -> None:
                            new_job("soon", due_ms=now_ms - 1)])
     broker.promote(queue)
     jobs = broker.claim(queue, count=3, lease_ms=SHORT_LEASE_MS).jobs
+    broker.start(queue, [(jobs[0].id, 1)])
     broker.extend(queue, [(jobs[0].id, 1)], lease_ms=SHORT_LEASE_MS)
     broker.ack(queue, [(jobs[0].id, 1)])
     broker.nack(queue, [(jobs[1].id, 1, -1, "dead")])

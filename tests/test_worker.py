@@ -189,7 +189,11 @@ def test_sigterm_lets_running_jobs_finish_and_hands_back_the_rest(
     queued = set(redis_client.lrange(KEYS.queued, 0, -1))
     assert queued == {r.id for r in waiting}
     for r in waiting:
-        assert redis_client.hget(KEYS.job(r.id), "attempts") == "0"
+        # the claim is given back: one more attempt in the budget (the counter,
+        # a fencing token, never goes down), in Redis and in the mirror
+        assert redis_client.hmget(KEYS.job(r.id), "attempts", "max_attempts") == ["1", "4"]
+        assert Job.objects.get(pk=r.id).max_attempts == 4
+        assert not Attempt.objects.filter(job_id=r.id).exists()
     assert redis_client.llen(KEYS.processing) == 0
 
 

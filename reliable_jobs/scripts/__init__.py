@@ -21,6 +21,7 @@ SCRIPT_NAMES = (
     "recover",
     "release",
     "revive",
+    "start",
 )
 
 

@@ -12,8 +12,12 @@
   ARGV[2] lease_ms        lease given to an id found on processing without one
   ARGV[3] orphan_scan     how many ids at the tail of processing to inspect
 
-  An expired 'running' job whose attempts are spent goes to dead (G3);
-  otherwise it goes back on the right of queued, to run next. An id on
+  An expired 'running' job whose attempt never started (no start mark for
+  it, see start.lua) goes back on the right of queued with one more attempt
+  in its budget (max_attempts + 1): its worker died before running it, so
+  it is not charged. One whose attempt started and whose attempts are spent
+  goes to dead (G3); otherwise it goes back on the right of queued, to run
+  next. An id on
   processing with no lease at all (its worker died between BLMOVE and the
   claim script) is stamped with a lease the first time it is seen, and comes
   back when that expires without being charged an attempt: its state is
@@ -23,9 +27,10 @@
   is one atomic script, and an id is acted on only if LREM found it.
 
   Returns: { outcomes, stamped }
-    outcomes  flat list: id, attempts, kind per handled lease, where kind is
-              'expired' (requeued), 'dead', 'orphan' (requeued, never
-              claimed), 'garbage' (no job hash) or 'dropped' (stray copy)
+    outcomes  flat list: id, attempts, max_attempts, kind per handled lease,
+              where kind is 'expired' (requeued), 'unstarted' (requeued,
+              refunded), 'dead', 'orphan' (requeued, never claimed),
+              'garbage' (no job hash) or 'dropped' (stray copy)
     stamped   how many orphans got a first lease
 ]]
 local queued_key = KEYS[1]
@@ -49,13 +54,19 @@ for _, job_id in ipairs(expired) do
   redis.call('ZREM', leases_key, job_id)
   if redis.call('LREM', processing_key, -1, job_id) > 0 then
     local job_key = job_prefix .. job_id
-    local job = redis.call('HMGET', job_key, 'state', 'attempts', 'max_attempts')
+    local job = redis.call('HMGET', job_key, 'state', 'attempts', 'max_attempts', 'started')
     local attempts = tonumber(job[2]) or 0
     local max_attempts = tonumber(job[3]) or 1
     local kind
     if not job[1] then
       kind = 'garbage'
       redis.call('ZADD', dead_key, now_ms, job_id)
+    elseif job[1] == 'running' and job[4] ~= job[2] then
+      kind = 'unstarted'
+      max_attempts = max_attempts + 1
+      redis.call('HSET', job_key, 'state', 'queued', 'max_attempts', max_attempts)
+      redis.call('RPUSH', queued_key, job_id)
+      requeued = requeued + 1
     elseif job[1] == 'running' and attempts >= max_attempts then
       kind = 'dead'
       redis.call('ZADD', dead_key, now_ms, job_id)
@@ -72,6 +83,7 @@ for _, job_id in ipairs(expired) do
     end
     outcomes[#outcomes + 1] = job_id
     outcomes[#outcomes + 1] = attempts
+    outcomes[#outcomes + 1] = max_attempts
     outcomes[#outcomes + 1] = kind
   end
 end

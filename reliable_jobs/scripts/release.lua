@@ -13,8 +13,9 @@
     started   1 if the task had started (interrupted), 0 if it never started
 
   Released jobs go on the right of queued, to run next. A job that never
-  started gets its attempt back (attempts - 1), so a shutdown costs it
-  nothing; an interrupted one keeps the attempt it used.
+  started gets its attempt back (max_attempts + 1: attempts itself never
+  goes down, so a fencing token is never handed out twice), so a shutdown
+  costs it nothing; an interrupted one keeps the attempt it used.
 
   Returns: a list with 1 (released) or 0 (refused: stale attempt) per group.
 ]]
@@ -35,7 +36,7 @@ for i = 1, #ARGV, 3 do
     redis.call('ZREM', leases_key, job_id)
     redis.call('HSET', job_key, 'state', 'queued')
     if ARGV[i + 2] == '0' then
-      redis.call('HINCRBY', job_key, 'attempts', -1)
+      redis.call('HINCRBY', job_key, 'max_attempts', 1)
     end
     redis.call('RPUSH', queued_key, job_id)
     released = released + 1

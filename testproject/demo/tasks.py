@@ -93,3 +93,11 @@ def kill_own_process() -> None:
     import os
 
     os._exit(9)
+
+
+@task(max_attempts=3, retry_base_ms=50)
+def crash_worker() -> None:
+    """Kill the worker process that runs it (no time limit, so it runs in a worker thread)."""
+    import os
+
+    os._exit(13)

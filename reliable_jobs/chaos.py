@@ -1,0 +1,619 @@
+"""The chaos run of ``manage.py chaosjobs``: SIGKILL real workers, count every job.
+
+The crash-point tests kill one worker at one chosen instruction; this run
+kills at random instants, many times, under load, with real
+``manage.py runworker`` processes and a real ``recoverjobs`` sweep, and then
+counts: every job enqueued must end succeeded or dead (G1), so ``lost`` must
+be 0. It also measures what a user pays for a crash: how many jobs ran more
+than once, and the worst time from a SIGKILL until a job the dead worker held
+started again (about ``LEASE_MS`` + ``SWEEP_INTERVAL_MS``, plus the wait behind
+the jobs its next worker had already prefetched).
+
+Which jobs a killed worker held comes from two places: its attempt rows
+(jobs it started) and its last heartbeat, checked against Redis just before
+the kill (jobs it had claimed, started or not). A heartbeat is up to a third
+of a lease old, so a job claimed after it and never started is missed: the
+crash-to-rerun figures are a sample of the interrupted jobs, each one exact.
+
+Every process the run starts is stopped before it returns, whatever happens
+(an exception, Ctrl-C, SIGTERM); on Linux the children are also told to die
+with the run if it is itself SIGKILLed, so no worker is ever left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from django.conf import settings
+from django.tasks import Task
+from django.utils import timezone
+
+from .models import Attempt, AttemptOutcome, Job, JobState
+from .tasks import discover, lookup
+
+if TYPE_CHECKING:
+    from .backend import ReliableJobsBackend
+
+#: The task a chaos run enqueues unless told otherwise: it sleeps, so jobs
+#: are running (not just queued) when their worker is killed.
+DEFAULT_TASK = "testproject.demo.tasks.sleep_for"
+#: Seconds the sweep process waits between passes.
+SWEEP_INTERVAL_S = 0.5
+#: Seconds a worker gets to finish its jobs once the run stops it (``--grace``).
+WORKER_GRACE_S = 2.0
+#: Seconds between SIGTERM and SIGKILL when the run stops its processes.
+STOP_TIMEOUT_S = 15.0
+#: Seconds the first workers get to start (import Django, heartbeat).
+START_TIMEOUT_S = 60.0
+#: Seconds between two checks of the queue while waiting for it to drain.
+POLL_S = 0.5
+#: Job ids per database query (SQLite caps the variables of one statement).
+ID_CHUNK = 500
+#: Outcomes of an attempt that the task itself caused: not a crash.
+TASK_FAILURES = (AttemptOutcome.FAILED, AttemptOutcome.TIMED_OUT)
+#: prctl(2) option: the signal a child gets when its parent dies (Linux).
+PR_SET_PDEATHSIG = 1
+
+
+class ChaosError(Exception):
+    """The run cannot start or cannot go on (bad flags, a busy queue, workers that never start)."""
+
+
+class Interrupted(Exception):
+    """SIGTERM or Ctrl-C arrived during the run."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChaosConfig:
+    """What ``chaosjobs`` was asked to do; durations in seconds, as the flags give them."""
+
+    jobs: int = 5_000
+    workers: int = 3
+    concurrency: int = 2
+    kill_every_s: float = 2.0
+    duration_s: float = 20.0
+    drain_timeout_s: float = 120.0
+    task_ms: int = 5
+    seed: int | None = None
+    queue: str | None = None
+    task_path: str = DEFAULT_TASK
+    #: ``-v`` given to the child processes (per-job log lines from 1).
+    child_verbosity: int = 0
+
+    def problems(self) -> list[str]:
+        """Each flag that is out of range, as a whole sentence."""
+        found = []
+        for name, value, minimum in (("--jobs", self.jobs, 1), ("--workers", self.workers, 1),
+                                     ("--concurrency", self.concurrency, 1),
+                                     ("--task-ms", self.task_ms, 0),
+                                     ("--duration", self.duration_s, 0)):
+            if value < minimum:
+                found.append(f"{name} must be at least {minimum}, not {value}.")
+        for name, value in (("--kill-every", self.kill_every_s),
+                            ("--drain-timeout", self.drain_timeout_s)):
+            if value <= 0:
+                found.append(f"{name} must be a positive number of seconds, not {value}.")
+        return found
+
+
+@dataclass(frozen=True, slots=True)
+class Kill:
+    """One SIGKILL: whom, when (wall clock, as attempts record it), what it held."""
+
+    worker_id: str
+    at: datetime
+    #: Job id -> attempt number, for the jobs of the worker's last heartbeat
+    #: that Redis still showed running just before the kill: this covers the
+    #: jobs it had claimed but not started, which leave no attempt row.
+    held: dict[str, int]
+
+
+@dataclass
+class ChaosReport:
+    """The counts a run ends with; :meth:`table` is what ``chaosjobs`` prints."""
+
+    config: ChaosConfig
+    lease_ms: int
+    sweep_interval_ms: int
+    max_attempts_allowed: int
+    seed: int
+    enqueued: int = 0
+    succeeded: int = 0
+    dead: int = 0
+    #: Jobs claimed more than once (``attempts`` > 1), started or not.
+    claimed_again: int = 0
+    #: Jobs with more than one started attempt: the task body really ran twice.
+    ran_again: int = 0
+    #: Most claims of one job (``attempts``, the fencing token).
+    max_attempts_seen: int = 0
+    #: Most started attempts of one job: what ``max_attempts`` bounds for a
+    #: job whose claims were cut short before it started.
+    max_runs_seen: int = 0
+    kills: int = 0
+    #: Workers and sweeps that exited without being killed (restarted).
+    unexpected_exits: int = 0
+    #: Jobs that were in a killed worker's hands and then ran again.
+    interrupted: int = 0
+    #: Per (kill, job): seconds from the SIGKILL to the start of the next attempt.
+    rerun_s: list[float] = field(default_factory=list)
+    chaos_s: float = 0.0
+    #: Seconds from the end of the chaos to the drained queue (None: timed out).
+    drain_s: float | None = None
+    log_dir: str = ""
+    leftovers: str = ""
+
+    @property
+    def lost(self) -> int:
+        return self.enqueued - self.succeeded - self.dead
+
+    @property
+    def ok(self) -> bool:
+        return self.lost == 0 and self.drain_s is not None
+
+    def table(self) -> str:
+        """A Markdown table, ready for the README."""
+        c = self.config
+        rerun = sorted(self.rerun_s)
+
+        def seconds(value: float | None) -> str:
+            return "-" if value is None else f"{value:.2f} s"
+
+        rows = [
+            ("jobs enqueued", f"{self.enqueued:,}"),
+            ("succeeded", f"{self.succeeded:,}"),
+            ("dead", f"{self.dead:,}"),
+            ("**lost (must be 0)**", f"**{self.lost:,}**"),
+            ("claimed more than once (attempts > 1)", f"{self.claimed_again:,}"),
+            ("run more than once (2+ started attempts)", f"{self.ran_again:,}"),
+            ("most claims of one job (attempts)", f"{self.max_attempts_seen}"),
+            ("most runs of one job (started attempts)",
+             f"{self.max_runs_seen} (max_attempts {self.max_attempts_allowed})"),
+            ("workers killed (SIGKILL)", f"{self.kills:,}"),
+            ("jobs a killed worker held, seen to run again", f"{self.interrupted:,}"),
+            ("worst crash-to-rerun", seconds(rerun[-1] if rerun else None)),
+            ("median crash-to-rerun", seconds(statistics.median(rerun) if rerun else None)),
+            ("unexpected process exits", f"{self.unexpected_exits:,}"),
+            ("chaos, then drain", f"{self.chaos_s:.1f} s, then "
+             + ("timed out" if self.drain_s is None else f"{self.drain_s:.1f} s")),
+        ]
+        width = max(len(name) for name, _ in rows)
+        lines = [
+            f"chaosjobs: {self.enqueued:,} jobs of {c.task_ms} ms on {c.workers} workers x "
+            f"{c.concurrency} threads, SIGKILL every {c.kill_every_s:g} s for {c.duration_s:g} s; "
+            f"LEASE_MS {self.lease_ms}, SWEEP_INTERVAL_MS {self.sweep_interval_ms}, "
+            f"seed {self.seed}",
+            "",
+            f"| {'figure':<{width}} | value |",
+            f"|{'-' * (width + 2)}|------:|",
+            *(f"| {name:<{width}} | {value} |" for name, value in rows),
+        ]
+        return "\n".join(lines)
+
+
+def manage_py() -> list[str]:
+    """The command line that starts ``manage.py`` in a child, as this process was started.
+
+    ``python path/to/manage.py chaosjobs`` gives ``python path/to/manage.py``;
+    anything else (``django-admin``, ``call_command``) gives ``python -m
+    django``, which finds the project through ``DJANGO_SETTINGS_MODULE``.
+    """
+    script = Path(sys.argv[0])
+    if script.name == "manage.py" and script.is_file():
+        return [sys.executable, str(script.resolve())]
+    return [sys.executable, "-m", "django"]
+
+
+def _die_with_parent(parent_pid: int) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that SIGKILLs the child when the run dies (Linux only).
+
+    A ``finally`` cannot run when the run itself is SIGKILLed (a test's
+    teardown, the OOM killer); without this its workers would run on forever.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+
+    def preexec() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent_pid:  # the parent died before prctl ran
+            os._exit(1)
+
+    return preexec
+
+
+class Fleet:
+    """Every process a run starts, each logging to its own file, all stopped at the end."""
+
+    def __init__(self, argv: Sequence[str], log_dir: Path) -> None:
+        self.argv = list(argv)
+        self.log_dir = log_dir
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.env.setdefault("DJANGO_SETTINGS_MODULE", settings.SETTINGS_MODULE)
+        self.started: list[subprocess.Popen[bytes]] = []
+
+    def start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
+        """Start ``manage.py <args>`` with this process's environment (same settings)."""
+        with open(self.log_dir / f"{name}.log", "ab") as log:
+            proc = subprocess.Popen(
+                [*self.argv, *args], env=self.env, stdin=subprocess.DEVNULL, stdout=log,
+                stderr=subprocess.STDOUT,
+                # Its own session: Ctrl-C reaches the run only, which then stops
+                # every child in order instead of racing their signal handlers.
+                start_new_session=True, preexec_fn=_die_with_parent(os.getpid()),
+            )
+        self.started.append(proc)
+        return proc
+
+    def log_tail(self, name: str, lines: int = 20) -> str:
+        path = self.log_dir / f"{name}.log"
+        text = path.read_text(errors="replace") if path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop_all(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """SIGTERM every live child, SIGKILL what is still alive after ``timeout_s``."""
+        alive = [proc for proc in self.started if proc.poll() is None]
+        for proc in alive:
+            with contextlib.suppress(ProcessLookupError):
+                proc.terminate()
+        deadline = time.monotonic() + timeout_s
+        for proc in alive:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@dataclass(slots=True)
+class Slot:
+    """One of the ``--workers`` places: the worker serving it now."""
+
+    worker_id: str
+    name: str
+    proc: subprocess.Popen[bytes]
+
+
+@contextlib.contextmanager
+def interruptible() -> Iterator[None]:
+    """Turn SIGTERM and Ctrl-C into :class:`Interrupted`, so the fleet is always stopped.
+
+    Python's default SIGTERM ends the process without unwinding, which
+    would leave every worker behind.
+    """
+    raised = False
+
+    def interrupt(signum: int, frame: Any) -> None:
+        nonlocal raised
+        if raised:
+            return  # already stopping: a second Ctrl-C must not cut the cleanup short
+        raised = True
+        raise Interrupted(signal.Signals(signum).name)
+
+    previous = {signum: signal.signal(signum, interrupt)
+                for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+class ChaosRun:
+    """One run: start the fleet, enqueue, kill workers, wait for the drain, count."""
+
+    def __init__(self, backend: ReliableJobsBackend, config: ChaosConfig, *,
+                 out: Callable[[str], None] = print, log_dir: Path | None = None) -> None:
+        self.backend = backend
+        self.config = config
+        self.queue = config.queue or sorted(backend.queues)[0]
+        self.seed = config.seed if config.seed is not None else random.randrange(1_000_000)
+        self.rng = random.Random(self.seed)
+        self.out = out
+        self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="chaosjobs-"))
+        # Unique per run, so attempts and heartbeats of an earlier run on the
+        # same database never count as this one's.
+        self.run_tag = f"chaos-{os.getpid()}"
+        self._serial = 0
+        self.slots: list[Slot] = []
+        self.kills: list[Kill] = []
+        self.unexpected_exits = 0
+        self._sweep: subprocess.Popen[bytes] | None = None
+
+    # -- checks ------------------------------------------------------------
+
+    def task(self) -> Task[..., Any]:
+        """The registered task to enqueue, bound to the run's backend and queue."""
+        discover()
+        task = lookup(self.config.task_path)
+        if task is None:
+            raise ChaosError(
+                f"{self.config.task_path!r} is not a registered task: workers only run tasks "
+                "created with this backend's task class in an installed app's tasks module."
+            )
+        if task.backend != self.backend.alias:
+            raise ChaosError(
+                f"{self.config.task_path!r} belongs to backend {task.backend!r}, not "
+                f"{self.backend.alias!r}: workers of {self.backend.alias!r} would refuse it."
+            )
+        return task.using(queue_name=self.queue)
+
+    def check(self) -> None:
+        """Refuse bad flags, an unknown queue and a queue with work in it.
+
+        Counting is by job id, but jobs already on the queue would share the
+        workers, and a kill would interrupt someone's real work.
+        """
+        problems = self.config.problems()
+        if self.queue not in self.backend.queues:
+            problems.append(f"Queue {self.queue!r} is not in TASKS[{self.backend.alias!r}]"
+                            f"['QUEUES'] ({', '.join(sorted(self.backend.queues))}).")
+        if problems:
+            raise ChaosError(" ".join(problems))
+        broker = self.backend.broker
+        counts = broker.counts(self.queue)
+        leases = broker.lease_count(self.queue)
+        unfinished = Job.objects.using(self.backend.database).unfinished().filter(
+            backend=self.backend.alias, queue=self.queue).count()
+        if counts.queued or counts.running or counts.scheduled or leases or unfinished:
+            raise ChaosError(
+                f"Queue {self.queue!r} is not empty ({counts.queued} queued, {counts.running} "
+                f"running, {counts.scheduled} scheduled, {leases} leases in Redis; {unfinished} "
+                "unfinished job(s) in the database). Run chaosjobs on an idle queue."
+            )
+
+    # -- the run -----------------------------------------------------------
+
+    def run(self) -> ChaosReport:
+        """Start, enqueue, kill for ``duration``, drain, stop everything, then count."""
+        self.check()
+        task = self.task()
+        cfg = self.config
+        options = self.backend.config
+        self.out(f"chaosjobs: seed {self.seed}; LEASE_MS {options.LEASE_MS} (a killed worker's "
+                 f"jobs come back after about that long); logs in {self.log_dir}")
+        fleet = Fleet(manage_py(), self.log_dir)
+        ids: list[str] = []
+        chaos_s = 0.0
+        drain_s: float | None = None
+        with interruptible():
+            try:
+                self._start_sweep(fleet)
+                for _ in range(cfg.workers):
+                    self.slots.append(self._start_worker(fleet))
+                self._wait_started(fleet)
+                results = self.backend.enqueue_many(
+                    task, (((cfg.task_ms / 1000,), {}) for _ in range(cfg.jobs)))
+                ids = [result.id for result in results]
+                self.out(f"chaosjobs: enqueued {len(ids):,} jobs on queue {self.queue!r}; "
+                         f"killing a worker every {cfg.kill_every_s:g} s for "
+                         f"{cfg.duration_s:g} s")
+                chaos_s = self._chaos(fleet, ids)
+                drain_s = self._drain(fleet, ids)
+            finally:
+                fleet.stop_all()
+                self._forget_killed()
+        return self._report(ids, chaos_s, drain_s)
+
+    def _start_worker(self, fleet: Fleet) -> Slot:
+        self._serial += 1
+        worker_id = f"{self.run_tag}-{self._serial}"
+        proc = fleet.start(
+            worker_id, "runworker", "--queue", self.queue, "--backend", self.backend.alias,
+            "--concurrency", str(self.config.concurrency), "--worker-id", worker_id,
+            "--grace", str(WORKER_GRACE_S), "-v", str(self.config.child_verbosity),
+        )
+        return Slot(worker_id, worker_id, proc)
+
+    def _start_sweep(self, fleet: Fleet) -> None:
+        self._sweep = fleet.start(
+            f"{self.run_tag}-sweep", "recoverjobs", "--interval", str(SWEEP_INTERVAL_S),
+            "--backend", self.backend.alias, "-v", str(self.config.child_verbosity),
+        )
+
+    def _wait_started(self, fleet: Fleet) -> None:
+        """Wait until every first worker heartbeats, so the chaos clock measures work."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        waiting = {slot.worker_id: slot for slot in self.slots}
+        while waiting:
+            for worker_id, slot in list(waiting.items()):
+                if slot.proc.poll() is not None:
+                    raise ChaosError(f"Worker {worker_id} exited with {slot.proc.returncode} "
+                                     f"while starting:\n{fleet.log_tail(slot.name)}")
+                if self.backend.broker.worker_info(worker_id) is not None:
+                    del waiting[worker_id]
+            if waiting and time.monotonic() > deadline:
+                raise ChaosError(f"Workers {', '.join(waiting)} did not start within "
+                                 f"{START_TIMEOUT_S:g} s; see {self.log_dir}.")
+            time.sleep(0.1)
+
+    def _chaos(self, fleet: Fleet, ids: list[str]) -> float:
+        """Kill a random worker every ``kill_every`` s; return how long the chaos lasted.
+
+        It ends early once the queue has drained: a kill then interrupts
+        nothing and proves nothing.
+        """
+        started = time.monotonic()
+        end = started + self.config.duration_s
+        next_kill = started + self.config.kill_every_s
+        next_check = started + 1.0
+        while (now := time.monotonic()) < end:
+            self._restart_exited(fleet)
+            if now >= next_kill:
+                self._kill_one(fleet)
+                next_kill += self.config.kill_every_s
+            if now >= next_check:
+                next_check = now + 1.0
+                if self._drained(ids):
+                    self.out(f"chaosjobs: the queue drained after {now - started:.1f} s; "
+                             "no more kills (raise --jobs or --task-ms for a longer chaos)")
+                    break
+            time.sleep(max(0.0, min(0.05, next_kill - time.monotonic())))
+        return time.monotonic() - started
+
+    def _kill_one(self, fleet: Fleet) -> None:
+        alive = [slot for slot in self.slots if slot.proc.poll() is None]
+        if not alive:
+            return
+        slot = self.rng.choice(alive)
+        broker = self.backend.broker
+        info = broker.worker_info(slot.worker_id) or {}
+        prefix = f"{self.queue}:"
+        listed = [entry[len(prefix):] for entry in info.get("jobs", [])
+                  if entry.startswith(prefix)]
+        # The heartbeat may be a beat old: keep only jobs Redis still shows
+        # running (an acked job has no hash any more), with their attempt.
+        held = {job_id: int(state["attempts"])
+                for job_id, state in broker.held_states(self.queue, listed).items()
+                if state["state"] == JobState.RUNNING}
+        at = timezone.now()
+        slot.proc.kill()
+        slot.proc.wait()
+        self.kills.append(Kill(slot.worker_id, at, held))
+        self.slots[self.slots.index(slot)] = self._start_worker(fleet)
+
+    def _restart_exited(self, fleet: Fleet) -> None:
+        """Replace a worker or sweep that exited by itself (counted: it should not happen)."""
+        for index, slot in enumerate(self.slots):
+            if slot.proc.poll() is not None:
+                self.unexpected_exits += 1
+                self.out(f"chaosjobs: worker {slot.worker_id} exited by itself with "
+                         f"{slot.proc.returncode}:\n{fleet.log_tail(slot.name)}")
+                self.slots[index] = self._start_worker(fleet)
+        if self._sweep is not None and self._sweep.poll() is not None:
+            self.unexpected_exits += 1
+            self.out(f"chaosjobs: the sweep exited by itself with {self._sweep.returncode}")
+            self._start_sweep(fleet)
+
+    def _drain(self, fleet: Fleet, ids: list[str]) -> float | None:
+        """Wait, bounded, until the queue has drained; return how long it took (None: timeout)."""
+        started = time.monotonic()
+        deadline = started + self.config.drain_timeout_s
+        while time.monotonic() < deadline:
+            self._restart_exited(fleet)
+            if self._drained(ids):
+                return time.monotonic() - started
+            time.sleep(POLL_S)
+        return None
+
+    def _drained(self, ids: list[str]) -> bool:
+        """Every job succeeded or dead in the mirror AND Redis holds nothing for the queue.
+
+        The mirror alone is not enough: a worker killed after writing a
+        success but before its ack leaves the job in Redis, to run again.
+        """
+        finished = 0
+        for chunk in _chunks(ids):
+            finished += Job.objects.using(self.backend.database).filter(
+                pk__in=chunk, state__in=(JobState.SUCCEEDED, JobState.DEAD)).count()
+        if finished < len(ids):
+            return False
+        counts = self.backend.broker.counts(self.queue)
+        return not (counts.queued or counts.running or counts.scheduled
+                    or self.backend.broker.lease_count(self.queue))
+
+    def _forget_killed(self) -> None:
+        """Drop the heartbeats of killed workers, so the admin does not list them as live."""
+        with contextlib.suppress(Exception):
+            for kill in self.kills:
+                self.backend.broker.forget_worker(kill.worker_id)
+
+    # -- counting ------------------------------------------------------------
+
+    def _report(self, ids: list[str], chaos_s: float, drain_s: float | None) -> ChaosReport:
+        database = self.backend.database
+        report = ChaosReport(
+            config=self.config, lease_ms=self.backend.config.LEASE_MS,
+            sweep_interval_ms=self.backend.config.SWEEP_INTERVAL_MS,
+            max_attempts_allowed=self.backend.task_option(self.task(), "max_attempts"),
+            seed=self.seed, enqueued=len(ids), kills=len(self.kills),
+            unexpected_exits=self.unexpected_exits, chaos_s=chaos_s, drain_s=drain_s,
+            log_dir=str(self.log_dir),
+        )
+        states: Counter[str] = Counter()
+        attempts: dict[str, list[Attempt]] = defaultdict(list)
+        for chunk in _chunks(ids):
+            for state, count_ in Counter(Job.objects.using(database).filter(pk__in=chunk)
+                                         .values_list("state", flat=True)).items():
+                states[state] += count_
+            jobs = Job.objects.using(database).filter(pk__in=chunk)
+            report.claimed_again += jobs.filter(attempts__gt=1).count()
+            report.max_attempts_seen = max(
+                report.max_attempts_seen,
+                max(jobs.values_list("attempts", flat=True), default=0))
+            for attempt in Attempt.objects.using(database).filter(job_id__in=chunk).only(
+                    "job_id", "number", "worker_id", "started_at", "outcome"):
+                attempts[str(attempt.job_id)].append(attempt)
+        report.succeeded = states[JobState.SUCCEEDED]
+        report.dead = states[JobState.DEAD]
+        runs = [sum(1 for a in rows if a.started_at) for rows in attempts.values()]
+        report.ran_again = sum(1 for count_ in runs if count_ > 1)
+        report.max_runs_seen = max(runs, default=0)
+        reruns = rerun_delays(self.kills, attempts)
+        report.rerun_s = [delay for _, delay in reruns]
+        report.interrupted = len({job_id for job_id, _ in reruns})
+        if report.lost or drain_s is None:
+            report.leftovers = self._leftovers(ids, states)
+        return report
+
+    def _leftovers(self, ids: list[str], states: Counter[str]) -> str:
+        """What is still unfinished: the evidence a bug report needs."""
+        counts = self.backend.broker.counts(self.queue)
+        stuck = [
+            f"{job.pk} {job.state} attempts={job.attempts} updated={job.updated_at:%H:%M:%S.%f}"
+            for chunk in _chunks(ids)
+            for job in Job.objects.using(self.backend.database).filter(pk__in=chunk).exclude(
+                state__in=(JobState.SUCCEEDED, JobState.DEAD))[:10]
+        ][:10]
+        return (f"job states {dict(states)}; Redis: {counts.queued} queued, {counts.running} "
+                f"processing, {counts.scheduled} scheduled, "
+                f"{self.backend.broker.lease_count(self.queue)} leases; first unfinished: "
+                + ("; ".join(stuck) or "none"))
+
+
+def rerun_delays(kills: list[Kill], attempts: dict[str, list[Attempt]]
+                 ) -> list[tuple[str, float]]:
+    """For each kill and each job its worker held: (job id, seconds until it ran again).
+
+    The worker held attempt ``n`` of a job if Redis showed it running with
+    that attempt just before the kill (from the heartbeat's list), or if the
+    worker's attempt ``n`` was the job's latest to start before the kill and
+    did not fail by itself (a task error is a retry, not a crash). It "ran
+    again" when attempt ``n + 1`` started. If ``n + 1`` never started (the
+    job was dead, or was claimed by a worker that died before starting it),
+    this crash's delay is not counted; the next one is measured on its own.
+    """
+    delays: list[tuple[str, float]] = []
+    for kill in kills:
+        held = dict(kill.held)
+        for job_id, rows in attempts.items():
+            before = [a for a in rows if a.started_at and a.started_at < kill.at]
+            latest = max(before, key=lambda a: a.number, default=None)
+            if (latest is not None and latest.worker_id == kill.worker_id
+                    and latest.outcome not in TASK_FAILURES):
+                held[job_id] = latest.number
+        for job_id, number in held.items():
+            again = [a.started_at for a in attempts.get(job_id, ())
+                     if a.number == number + 1 and a.started_at and a.started_at >= kill.at]
+            if again:
+                delays.append((job_id, (again[0] - kill.at).total_seconds()))
+    return delays
+
+
+def _chunks(ids: list[str]) -> Iterator[list[str]]:
+    for start in range(0, len(ids), ID_CHUNK):
+        yield ids[start:start + ID_CHUNK]

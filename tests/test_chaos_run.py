@@ -1,0 +1,91 @@
+"""G1 under chaos: ``manage.py chaosjobs`` SIGKILLs real workers and loses nothing.
+
+CI's short version of the README's chaos table: two workers, a kill every
+1.5 s for 6 s, 300 jobs of 50 ms (long enough that jobs are running when
+their worker dies). The command itself starts the workers and the sweep, so
+the test runs it as a user would, in a subprocess, and reads its table.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.core.management import CommandError, call_command
+
+from reliable_jobs.models import Job
+from testproject.demo import tasks as demo
+
+from .conftest import Processes
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def table_value(output: str, figure: str) -> str:
+    """The value cell of one row of the printed Markdown table."""
+    match = re.search(rf"^\| (?:\*\*)?{re.escape(figure)}(?:\*\*)?\s*\| (.+?) \|$", output,
+                      re.MULTILINE)
+    assert match, f"no row {figure!r} in:\n{output}"
+    return match.group(1).strip("*").replace(",", "")
+
+
+def processes_named(tag: str) -> list[str]:
+    """Command lines of live processes mentioning ``tag`` (Linux /proc)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue  # exited while we looked
+        if tag in text:
+            found.append(text)
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.crash
+def test_chaos_run_loses_nothing(rj_settings: Any, processes: Processes) -> None:
+    # Given: short leases (conftest's FAST_OPTIONS) and enough attempts that
+    # no job can die from being held by three killed workers in a row
+    env = rj_settings(MAX_ATTEMPTS=10)
+
+    # When: chaosjobs kills a random worker every 1.5 s for 6 s under load
+    chaos = processes.manage(
+        "chaosjobs", "--jobs", "300", "--workers", "2", "--concurrency", "2",
+        "--kill-every", "1.5", "--duration", "6", "--task-ms", "50", "--drain-timeout", "40",
+        "--seed", "7", env=env,
+    )
+    code = chaos.wait(timeout=90)
+    output = processes.log(chaos)
+
+    # Then: it exits 0, every job succeeded, none lost, and the kills really
+    # interrupted jobs that then ran again
+    assert code == 0, output
+    assert table_value(output, "jobs enqueued") == "300"
+    assert table_value(output, "succeeded") == "300"
+    assert table_value(output, "lost (must be 0)") == "0"
+    assert int(table_value(output, "workers killed (SIGKILL)")) >= 2
+    assert int(table_value(output, "jobs a killed worker held, seen to run again")) >= 1
+    assert int(table_value(output, "claimed more than once (attempts > 1)")) >= 1
+    assert table_value(output, "worst crash-to-rerun").endswith(" s")
+    assert Job.objects.filter(state="succeeded").count() == 300
+    # and no worker it started outlives it
+    assert processes_named(f"chaos-{chaos.pid}-") == []
+
+
+def test_chaos_refuses_a_queue_with_work(rj_settings: Any) -> None:
+    # Given: a job nobody has run yet
+    rj_settings()
+    demo.add.enqueue(1, 2)
+
+    # When / Then: the run refuses before starting anything
+    with pytest.raises(CommandError, match="is not empty"):
+        call_command("chaosjobs", jobs=10)
+
+
+def test_chaos_refuses_an_unregistered_task(rj_settings: Any) -> None:
+    rj_settings()
+    with pytest.raises(CommandError, match="is not a registered task"):
+        call_command("chaosjobs", jobs=10, task="os.system")
