@@ -31,7 +31,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -67,6 +67,9 @@ MAX_WAIT_S = 1.0
 FINISH_BATCH = 500
 #: Backoff after a Redis or database error, in seconds (doubles to the cap).
 BACKOFF_START_S, BACKOFF_MAX_S = 0.1, 5.0
+#: First attempts an executor thread marks started in one round trip, then
+#: runs in turn: the most a crash in one of them can charge the others.
+MARK_AHEAD = 16
 #: Reconcile at most this often from a worker, in seconds.
 RECONCILE_EVERY_S = 30.0
 
@@ -113,11 +116,12 @@ class StartMarks:
         self._pending: list[list[Any]] = []
         self._flushing = False
 
-    def mark(self, job: ClaimedJob) -> bool:
-        slot: list[Any] = [job, None]  # [job, True/False or the RedisError]
+    def mark(self, jobs: list[ClaimedJob]) -> list[bool]:
+        """Mark ``jobs`` started; True for each attempt still held. Raises RedisError."""
+        slots: list[list[Any]] = [[job, None] for job in jobs]  # [job, bool or error]
         with self._cond:
-            self._pending.append(slot)
-            while slot[1] is None:
+            self._pending += slots
+            while any(slot[1] is None for slot in slots):
                 if self._flushing:
                     self._cond.wait()
                     continue
@@ -130,9 +134,10 @@ class StartMarks:
                     self._cond.acquire()
                     self._flushing = False
                     self._cond.notify_all()
-        if isinstance(slot[1], BaseException):
-            raise slot[1]
-        return bool(slot[1])
+        for slot in slots:
+            if isinstance(slot[1], BaseException):
+                raise slot[1]
+        return [bool(slot[1]) for slot in slots]
 
     def _flush(self, batch: list[list[Any]]) -> None:
         by_queue: dict[str, list[list[Any]]] = defaultdict(list)
@@ -140,7 +145,8 @@ class StartMarks:
             by_queue[slot[0].queue].append(slot)
         for queue, slots in by_queue.items():
             try:
-                marked = self._broker.start(queue, [(s[0].id, s[0].attempt) for s in slots])
+                marked: list[Any] = self._broker.start(
+                    queue, [(s[0].id, s[0].attempt) for s in slots])
             except redis.RedisError as exc:
                 marked = [exc] * len(slots)
             for slot, result in zip(slots, marked, strict=True):
@@ -517,10 +523,31 @@ class Worker:
     # -- executor threads --------------------------------------------------
 
     def _execute_loop(self) -> None:
+        """Run jobs from the shared buffer, marking them started in small groups.
+
+        A first attempt is marked together with up to MARK_AHEAD - 1 more
+        first attempts this thread then runs in turn (one round trip for the
+        group); a crash charges at most those. A later attempt, possibly a
+        job that crashed its worker before, is marked alone and only once the
+        outcomes of everything this worker finished are durable.
+        """
+        ready: deque[ClaimedJob] = deque()
         while True:
-            job = self._todo.get()
-            if job is None:
-                return
+            if not ready:
+                job = self._todo.get()
+                if job is None:
+                    return
+                if self._stopping.is_set():
+                    self._release([(job, False)])
+                    continue
+                if job.attempt > 1:
+                    self._wait_until_flushed()
+                    group = [job]
+                else:
+                    group = [job, *self._more_first_attempts(MARK_AHEAD - 1)]
+                ready.extend(self._mark_started(group))
+                continue
+            job = ready.popleft()
             if self._stopping.is_set():
                 self._release([(job, False)])
                 continue
@@ -530,33 +557,47 @@ class Worker:
             finally:
                 close_old_connections()
 
-    def _mark_started(self, job: ClaimedJob) -> bool:
-        """Record in Redis that ``job`` starts now; False if it is no longer ours.
+    def _more_first_attempts(self, limit: int) -> list[ClaimedJob]:
+        """Take up to ``limit`` more first attempts waiting in the buffer, without blocking."""
+        taken: list[ClaimedJob] = []
+        while len(taken) < limit:
+            try:
+                job = self._todo.get_nowait()
+            except queue_module.Empty:
+                break
+            if job is None or job.attempt > 1:
+                self._todo.put(job)  # a stop sentinel or a careful retry: not ours to group
+                break
+            taken.append(job)
+        return taken
 
-        Must succeed before the task runs (see start.lua): while Redis is
-        unreachable the job waits here, its lease renewed by the main thread.
+    def _mark_started(self, jobs: list[ClaimedJob]) -> list[ClaimedJob]:
+        """Record in Redis that ``jobs`` start now; return those still ours.
+
+        Must succeed before any of them runs (see start.lua): while Redis is
+        unreachable they wait here, their leases renewed by the main thread.
         """
         backoff = BACKOFF_START_S
         while True:
             try:
-                marked = self._start_marks.mark(job)
+                marked = self._start_marks.mark(jobs)
                 break
             except redis.RedisError as exc:
-                self._redis_outage.failed(exc, "marking a job started")
+                self._redis_outage.failed(exc, "marking jobs started")
                 if self._hard_stop.wait(backoff):
-                    return False
+                    self._release([(job, False) for job in jobs])
+                    return []
                 backoff = min(backoff * 2, BACKOFF_MAX_S)
-        with self._lock:
-            held = self._in_hand.get((job.queue, job.id))
-            if held is not None and marked:
-                held.started = True
-            elif held is not None:
-                self._in_hand.pop((job.queue, job.id), None)
-                self._slot_freed.set()
-        if not marked:
-            logger.warning("Job %s attempt %d is no longer held (lease lost before it "
-                           "started); not running it.", job.id, job.attempt)
-        return marked
+        lost = [job for job, ok in zip(jobs, marked, strict=True) if not ok]
+        if lost:
+            with self._lock:
+                for job in lost:
+                    self._in_hand.pop((job.queue, job.id), None)
+            self._slot_freed.set()
+            for job in lost:
+                logger.warning("Job %s attempt %d is no longer held (lease lost before it "
+                               "started); not running it.", job.id, job.attempt)
+        return [job for job, ok in zip(jobs, marked, strict=True) if ok]
 
     def _finish(self, outcome: Outcome) -> None:
         with self._flushed:
@@ -576,10 +617,10 @@ class Worker:
                 self._flushed.wait(timeout=0.5)
 
     def _execute(self, job: ClaimedJob) -> None:
-        if job.attempt > 1:
-            self._wait_until_flushed()
-        if not self._mark_started(job):
-            return
+        with self._lock:
+            held = self._in_hand.get((job.queue, job.id))
+            if held is not None:
+                held.started = True
         started_at = timezone.now()
         started_clock = time.perf_counter()
         record = AttemptRecord(job_id=job.id, attempt=job.attempt, job_state=JobState.RUNNING,
