@@ -257,12 +257,21 @@ def reconcile_candidates(
     return list(rows.order_by("pk")[:limit])
 
 
+def still_unfinished(using: str, job_ids: Sequence[Any], *, older_than: datetime) -> list[Job]:
+    """Of ``job_ids``, the rows still unfinished and untouched since ``older_than``."""
+    if not job_ids:
+        return []
+    return list(Job.objects.using(using).filter(
+        pk__in=job_ids, state__in=UNFINISHED_STATES, updated_at__lt=older_than))
+
+
 def touch(using: str, job_ids: Sequence[Any], *, state: str | None = None) -> None:
-    """Restart the grace period of jobs reconcile just pushed again."""
+    """Restart the grace period of unfinished jobs reconcile just pushed again."""
     changes: dict[str, Any] = {"updated_at": timezone.now()}
     if state:
         changes["state"] = state
-    Job.objects.using(using).filter(pk__in=job_ids).update(**changes)
+    Job.objects.using(using).filter(pk__in=job_ids, state__in=UNFINISHED_STATES).update(
+        **changes)
 
 
 def raise_budgets(using: str, budgets: dict[str, int]) -> None:

@@ -9,9 +9,10 @@ are atomic scripts and reconcile's push skips jobs Redis already holds.
 from __future__ import annotations
 
 import logging
+import sys
 from collections import defaultdict
 from dataclasses import dataclass, fields
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
 from django.db import DatabaseError
@@ -21,7 +22,7 @@ from . import mirror, payload
 from .broker import NewJob
 from .faults import crash_point
 from .mirror import AttemptRecord
-from .models import JobState
+from .models import Job, JobState
 
 if TYPE_CHECKING:
     from .backend import ReliableJobsBackend
@@ -128,11 +129,11 @@ class Sweep:
             batches += 1
             self._cursor = str(rows[-1].pk)
             report.checked += len(rows)
-            by_queue = defaultdict(list)
+            by_queue: dict[str, list[Job]] = defaultdict(list)
             for row in rows:
                 by_queue[row.queue].append(row)
             for queue, queue_rows in by_queue.items():
-                pushed, buried = self._reconcile_queue(queue, queue_rows)
+                pushed, buried = self._reconcile_queue(queue, queue_rows, older_than)
                 report.pushed += pushed
                 report.buried += buried
             if len(rows) < RECONCILE_BATCH:
@@ -140,28 +141,30 @@ class Sweep:
                 break
         return report
 
-    def _reconcile_queue(self, queue: str, rows: list) -> tuple[int, int]:
+    def _reconcile_queue(self, queue: str, rows: list[Job],
+                         older_than: datetime) -> tuple[int, int]:
         broker = self.backend.broker
         database = self.backend.config.DATABASE
         held = broker.held_states(queue, [str(row.pk) for row in rows])
-        now = timezone.now()
-        lost: list[NewJob] = []
         buried = 0
-        for row in rows:
-            job_id = str(row.pk)
-            state = held.get(job_id)
-            if state is None:
-                text = payload.encode(row.task_path, row.args, row.kwargs,
-                                      max_bytes=max(self.backend.config.MAX_PAYLOAD_BYTES,
-                                                    10 * 1024 * 1024))
-                due = row.run_after if row.run_after and row.run_after > now else None
-                lost.append(NewJob(job_id, text, row.max_attempts,
-                                   due_ms=int(due.timestamp() * 1000) if due else 0,
-                                   attempts=row.attempts))
-            elif state["state"] == JobState.DEAD:
+        for job_id, state in held.items():
+            if state["state"] == JobState.DEAD:
                 mirror.bury(database, job_id, attempts=int(state["attempts"]),
                             error=state["last_error"])
                 buried += 1
+        # Read the missing rows again, AFTER asking Redis: a worker writes the
+        # mirror before it acks (which frees the hash), so a job that finished
+        # since the first read now shows as finished (or freshly touched) and
+        # is left alone. What is still unfinished and old was really lost.
+        missing = [row.pk for row in rows if str(row.pk) not in held]
+        now = timezone.now()
+        lost: list[NewJob] = []
+        for row in mirror.still_unfinished(database, missing, older_than=older_than):
+            text = payload.encode(row.task_path, row.args, row.kwargs, max_bytes=sys.maxsize)
+            due = row.run_after if row.run_after and row.run_after > now else None
+            lost.append(NewJob(str(row.pk), text, row.max_attempts,
+                               due_ms=int(due.timestamp() * 1000) if due else 0,
+                               attempts=row.attempts))
         if lost:
             broker.enqueue(queue, lost)
             mirror.touch(database, [job.id for job in lost if not job.due_ms],

@@ -219,6 +219,9 @@ class Worker:
         self.sweep = Sweep(backend, self.queues)
         self.stats = WorkerStats()
         self._start_marks = StartMarks(self.broker)
+        #: Jobs (or the stop sentinel) an executor took while grouping but
+        #: must not group; any executor takes them before the shared buffer.
+        self._put_aside: deque[ClaimedJob | None] = deque()
         #: Outcomes handed to the finisher, and a condition on their flushing.
         self._outcomes_total = 0
         self._flushed = threading.Condition()
@@ -283,7 +286,8 @@ class Worker:
 
     def _shutdown(self, executors: list[threading.Thread], finisher: threading.Thread) -> None:
         self._stopping.set()
-        unstarted = []
+        unstarted = [job for job in self._put_aside if job is not None]
+        self._put_aside.clear()
         while True:
             try:
                 job = self._todo.get_nowait()
@@ -534,7 +538,10 @@ class Worker:
         ready: deque[ClaimedJob] = deque()
         while True:
             if not ready:
-                job = self._todo.get()
+                try:
+                    job = self._put_aside.popleft()
+                except IndexError:
+                    job = self._todo.get()
                 if job is None:
                     return
                 if self._stopping.is_set():
@@ -566,7 +573,10 @@ class Worker:
             except queue_module.Empty:
                 break
             if job is None or job.attempt > 1:
-                self._todo.put(job)  # a stop sentinel or a careful retry: not ours to group
+                # A stop sentinel or a retry (marked alone): next in line, not
+                # sent to the back of the buffer, where a busy stream of claims
+                # could keep it waiting.
+                self._put_aside.append(job)
                 break
             taken.append(job)
         return taken
