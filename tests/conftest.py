@@ -147,6 +147,19 @@ class Processes:
                ) -> subprocess.Popen[bytes]:
         return self.manage("runworker", "-v", "1", *args, env=env, extra_env=extra_env)
 
+    def stop(self, proc: subprocess.Popen[bytes], *, timeout: float = 30.0) -> int:
+        """SIGTERM a command once it is up (signal handlers installed); return its exit code.
+
+        A process terminated while Django is still starting dies of the
+        signal itself (-15), which says nothing about graceful shutdown.
+        """
+        if proc.poll() is None:
+            wait_until(lambda: proc.poll() is not None or " serving " in self.log(proc)
+                       or "Sweep of" in self.log(proc), timeout=timeout,
+                       message=f"{proc.args[2]} to start")
+        proc.terminate()
+        return proc.wait(timeout=timeout)
+
     @staticmethod
     def log(proc: subprocess.Popen[bytes]) -> str:
         return Path(proc.log_path).read_text(errors="replace")  # type: ignore[attr-defined]

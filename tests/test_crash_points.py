@@ -92,8 +92,7 @@ def test_worker_killed_at_each_step_loses_nothing(
         # The id moved by BLMOVE was never claimed: the sweep's first-seen lease
         # brought it back without charging it an attempt.
         assert sorted(Job.objects.values_list("attempts", flat=True)) == [1] * JOBS
-    survivor.terminate()
-    assert survivor.wait(timeout=30) == 0
+    assert processes.stop(survivor) == 0
 
 
 @pytest.mark.parametrize("point", ["sweep_after_recover", "sweep_after_promote"])
@@ -117,8 +116,7 @@ def test_sweep_killed_between_its_steps_loses_nothing(
 
     # Then
     assert_all_succeeded(results, redis_client)
-    survivor.terminate()
-    assert survivor.wait(timeout=30) == 0
+    assert processes.stop(survivor) == 0
 
 
 def test_three_sweeps_at_once_with_crashing_workers(
@@ -145,5 +143,4 @@ def test_three_sweeps_at_once_with_crashing_workers(
         job = Job.objects.get(pk=result.id)
         assert Attempt.objects.filter(job=job).count() <= job.max_attempts
     for proc in (*sweeps, survivor):
-        proc.terminate()
-        assert proc.wait(timeout=30) == 0
+        assert processes.stop(proc) == 0

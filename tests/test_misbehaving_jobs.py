@@ -42,8 +42,7 @@ def test_poison_job_that_kills_its_worker_dies_and_spares_its_neighbours(
         while worker.poll() is None and not settled():
             time.sleep(0.05)
         if worker.poll() is None:
-            worker.terminate()
-            assert worker.wait(timeout=30) == 0
+            assert processes.stop(worker) == 0
         else:
             assert worker.returncode == 13, processes.log(worker)
             deaths += 1
@@ -78,8 +77,7 @@ def test_job_three_times_longer_than_its_lease_runs_once(
     assert list(Attempt.objects.filter(job_id=result.id).values_list("outcome", flat=True)) == [
         AttemptOutcome.SUCCEEDED]
     for worker in workers:
-        worker.terminate()
-        assert worker.wait(timeout=30) == 0
+        assert processes.stop(worker) == 0
 
 
 def test_stalled_worker_loses_its_job_and_its_late_ack_is_refused(
@@ -115,5 +113,4 @@ def test_stalled_worker_loses_its_job_and_its_late_ack_is_refused(
     assert (job.state, job.attempts) == (JobState.SUCCEEDED, 2)
     assert not redis_client.exists(KEYS.job(result.id))
     for worker in (stalled, other):
-        worker.terminate()
-        assert worker.wait(timeout=30) == 0
+        assert processes.stop(worker) == 0

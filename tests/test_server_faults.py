@@ -76,8 +76,7 @@ def test_redis_restarted_empty_while_jobs_are_queued_scheduled_and_running(
             assert demo.sleep_for.get_result(r.id).status == "SUCCESSFUL"
         assert "pushed" in processes.log(sweep)
         for proc in (worker, sweep):
-            proc.terminate()
-            assert proc.wait(timeout=30) == 0, processes.log(proc)
+            assert processes.stop(proc) == 0, processes.log(proc)
     finally:
         server.kill()
 
@@ -110,8 +109,7 @@ def test_postgresql_unreachable_for_seconds_loses_and_double_counts_nothing(
         log = processes.log(worker)
         assert log.count("The database is unavailable") == 1, log
         assert "The database is back" in log
-        worker.terminate()
-        assert worker.wait(timeout=30) == 0
+        assert processes.stop(worker) == 0
     finally:
         proxy.close()
 
@@ -141,5 +139,4 @@ def test_worker_redis_connections_killed_mid_run(
                timeout=60, message="every job to finish")
     assert Job.objects.filter(pk__in=ids, state=JobState.SUCCEEDED).count() == len(ids)
     assert max(Job.objects.filter(pk__in=ids).values_list("attempts", flat=True)) <= 3
-    worker.terminate()
-    assert worker.wait(timeout=30) == 0
+    assert processes.stop(worker) == 0

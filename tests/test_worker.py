@@ -85,8 +85,7 @@ def test_idle_worker_starts_a_new_job_without_polling(
     # Then: it runs (the bound is generous; speed is the benchmark's business)
     wait_until(lambda: finished(result.id), timeout=20, message="the job to finish")
     assert demo.add.get_result(result.id).return_value == 42
-    worker.send_signal(signal.SIGTERM)
-    assert worker.wait(timeout=30) == 0
+    assert processes.stop(worker) == 0
 
 
 def test_retry_later_and_permanent_failure_from_task_code(
@@ -181,8 +180,7 @@ def test_sigterm_lets_running_jobs_finish_and_hands_back_the_rest(
                message="the slow job to start")
 
     # When: SIGTERM arrives mid-job
-    worker.send_signal(signal.SIGTERM)
-    assert worker.wait(timeout=30) == 0, processes.log(worker)
+    assert processes.stop(worker) == 0, processes.log(worker)
 
     # Then: the running job finished; the unstarted ones are back on queued, uncharged
     assert demo.sleep_for.get_result(slow.id).status == TaskResultStatus.SUCCESSFUL
@@ -219,8 +217,7 @@ def test_sigkill_mid_job_runs_again_with_attempts_two(
     outcomes = list(Attempt.objects.filter(job_id=result.id).order_by("number")
                     .values_list("outcome", flat=True))
     assert outcomes == [AttemptOutcome.LEASE_EXPIRED, AttemptOutcome.SUCCEEDED]
-    survivor.send_signal(signal.SIGTERM)
-    assert survivor.wait(timeout=30) == 0
+    assert processes.stop(survivor) == 0
 
 
 @pytest.mark.crash
@@ -246,8 +243,7 @@ def test_real_sigkill_of_a_busy_worker_loses_nothing(
         final = demo.sleep_for.get_result(r.id)
         assert final.status == TaskResultStatus.SUCCESSFUL
         assert 1 <= final.attempts <= 2
-    survivor.send_signal(signal.SIGTERM)
-    assert survivor.wait(timeout=30) == 0
+    assert processes.stop(survivor) == 0
 
 
 @pytest.mark.crash
