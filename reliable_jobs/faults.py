@@ -25,6 +25,7 @@ POINTS = (
     "after_ack",       # acked in Redis
     "sweep_after_recover",  # the sweep recovered leases, mirror not yet written
     "sweep_after_promote",  # the sweep promoted, reconcile not yet run
+    "finisher_bug",    # the finisher thread raises (a bug), see raise_point()
 )
 
 
@@ -38,3 +39,9 @@ def crash_point(name: str) -> None:
             _survivors -= 1
             return
     os._exit(86)
+
+
+def raise_point(name: str) -> None:
+    """Raise an unexpected error, like a bug, if ``name`` is armed."""
+    if name == CRASH_AT:
+        raise RuntimeError(f"fault injected at {name}")

@@ -83,9 +83,11 @@ def record(using: str, records: Iterable[AttemptRecord]) -> None:
         with transaction.atomic(using=using), connections[using].cursor() as cursor:
             _pg_write_attempts(cursor, list(merged.values()))
             _pg_write_jobs(cursor, list(newest.values()))
-            cursor.execute(_PG_CLOSE_ABANDONED, [ABANDONED_ERROR,
-                                                 [r.job_id for r in newest.values()],
-                                                 [r.attempt for r in newest.values()]])
+            retried = [r for r in newest.values() if r.attempt > 1]
+            if retried:
+                cursor.execute(_PG_CLOSE_ABANDONED, [ABANDONED_ERROR,
+                                                     _joined(r.job_id for r in retried),
+                                                     _joined(r.attempt for r in retried)])
         return
     now = timezone.now()
     with transaction.atomic(using=using):
@@ -120,15 +122,37 @@ def _job_changes(rec: AttemptRecord, now: datetime) -> dict[str, Any]:
 # is noted in the error instead of rewriting history.
 #
 # PostgreSQL: one statement per table per batch (PERF-NOTES: per-row
-# statements cap the drain at a few hundred jobs/s). Columns travel as
-# arrays through unnest(); fencing is in the WHERE clause, as in the ORM path.
+# statements cap the drain at a few hundred jobs/s); fencing is in the WHERE
+# clause, as in the ORM path. Each column travels as ONE text value, joined
+# with the unit separator (U+001F) and split by string_to_array() on the
+# server: Django's client-side binding would otherwise quote every array
+# element in Python, which cost more than the statements themselves.
+_SEPARATOR = "\x1f"
+
+
+def _column(kind: str, *, nullable: bool = False) -> str:
+    """SQL for one joined column parameter: NULL for '' when ``nullable``.
+
+    The text starts with a separator whose empty first element is sliced
+    off: string_to_array('') is an empty array, not one empty string.
+    """
+    null = ", ''" if nullable else ""
+    return f"(string_to_array(%s, chr(31){null}))[2:]::{kind}[]"
+
+
+def _joined(values: Iterable[Any]) -> str:
+    """Join a column's values; None becomes '' (NULL in nullable columns)."""
+    return _SEPARATOR + _SEPARATOR.join(
+        "" if v is None else v.isoformat() if isinstance(v, datetime)
+        else str(v).replace(_SEPARATOR, " ") for v in values)
 _PG_UPSERT_ATTEMPTS = f"""
 INSERT INTO {Attempt._meta.db_table} AS a
     (job_id, number, worker_id, started_at, finished_at, outcome, error, traceback)
 SELECT v.job_id, v.number, v.worker_id, v.started_at, v.finished_at, v.outcome, v.error,
        v.traceback
-FROM unnest(%s::uuid[], %s::int[], %s::text[], %s::timestamptz[], %s::timestamptz[],
-            %s::text[], %s::text[], %s::text[])
+FROM unnest({_column("uuid")}, {_column("int")}, {_column("text")},
+            {_column("timestamptz", nullable=True)}, {_column("timestamptz", nullable=True)},
+            {_column("text")}, {_column("text")}, {_column("text")})
      AS v(job_id, number, worker_id, started_at, finished_at, outcome, error, traceback)
 WHERE EXISTS (SELECT 1 FROM {Job._meta.db_table} j WHERE j.id = v.job_id)
 ON CONFLICT (job_id, number) DO UPDATE SET
@@ -155,8 +179,9 @@ UPDATE {Job._meta.db_table} AS j SET
                         ELSE j.return_value END,
     last_error = COALESCE(NULLIF(v.error, ''), j.last_error),
     updated_at = now()
-FROM unnest(%s::uuid[], %s::int[], %s::text[], %s::timestamptz[], %s::timestamptz[],
-            %s::text[], %s::text[])
+FROM unnest({_column("uuid")}, {_column("int")}, {_column("text")},
+            {_column("timestamptz", nullable=True)}, {_column("timestamptz", nullable=True)},
+            {_column("text", nullable=True)}, {_column("text")})
      AS v(id, attempt, state, started_at, finished_at, return_value, error)
 WHERE j.id = v.id AND j.attempts <= v.attempt
 """
@@ -170,25 +195,28 @@ ABANDONED_ERROR = ("reliable_jobs.exceptions.LeaseExpired: the worker stopped be
 _PG_CLOSE_ABANDONED = f"""
 UPDATE {Attempt._meta.db_table} AS a
 SET outcome = 'lease_expired', finished_at = now(), error = %s
-FROM unnest(%s::uuid[], %s::int[]) AS v(job_id, attempt)
+FROM unnest({_column("uuid")}, {_column("int")}) AS v(job_id, attempt)
 WHERE a.job_id = v.job_id AND a.number < v.attempt AND a.outcome = ''
 """
 
 
 def _pg_write_attempts(cursor: Any, rows: list[AttemptRecord]) -> None:
     cursor.execute(_PG_UPSERT_ATTEMPTS, [
-        [r.job_id for r in rows], [r.attempt for r in rows], [r.worker_id for r in rows],
-        [r.started_at for r in rows], [r.finished_at for r in rows],
-        [r.outcome for r in rows], [r.error for r in rows], [r.traceback for r in rows],
+        _joined(r.job_id for r in rows), _joined(r.attempt for r in rows),
+        _joined(r.worker_id for r in rows), _joined(r.started_at for r in rows),
+        _joined(r.finished_at for r in rows), _joined(r.outcome for r in rows),
+        _joined(r.error for r in rows), _joined(r.traceback for r in rows),
     ])
 
 
 def _pg_write_jobs(cursor: Any, rows: list[AttemptRecord]) -> None:
     cursor.execute(_PG_UPDATE_JOBS, [
-        [r.job_id for r in rows], [r.attempt for r in rows], [r.job_state for r in rows],
-        [r.started_at for r in rows], [r.finished_at for r in rows],
-        [None if r.return_value is None else json.dumps(r.return_value) for r in rows],
-        [r.error for r in rows],
+        _joined(r.job_id for r in rows), _joined(r.attempt for r in rows),
+        _joined(r.job_state for r in rows), _joined(r.started_at for r in rows),
+        _joined(r.finished_at for r in rows),
+        # JSON text never holds a raw U+001F (json.dumps escapes control characters).
+        _joined(None if r.return_value is None else json.dumps(r.return_value) for r in rows),
+        _joined(r.error for r in rows),
     ])
 
 
@@ -289,3 +317,79 @@ def bury(using: str, job_id: str, *, attempts: int, error: str) -> None:
         state=JobState.DEAD, attempts=Greatest("attempts", attempts), last_error=error,
         finished_at=now, updated_at=now,
     )
+
+
+# -- the admin: staff actions and retention ------------------------------
+# Added for the admin issue (staff.py, retention.py); nothing above changed.
+# A staff action locks the job's row, acts in Redis, then writes the row in
+# the same transaction: a worker's write about the attempt the action lets
+# run waits for that commit, so it lands after the action's, never under it.
+
+#: States a job never leaves by itself; only these are pruned.
+FINISHED_STATES = (JobState.SUCCEEDED, JobState.DEAD, JobState.CANCELLED)
+
+
+def lock_job(using: str, job_id: Any) -> Job | None:
+    """Lock one job's row until the caller's transaction ends (None if it is gone)."""
+    return Job.objects.using(using).select_for_update().filter(pk=job_id).first()
+
+
+def mark_queued_again(using: str, job_id: Any, *, max_attempts: int,
+                      clear_run_after: bool = False) -> None:
+    """Mirror a staff retry or requeue: queued again, with ``max_attempts`` as budget.
+
+    ``clear_run_after`` drops a future run_after the job no longer waits
+    for, so a reconcile rebuild cannot schedule it for later again.
+    """
+    changes: dict[str, Any] = {"state": JobState.QUEUED, "max_attempts": max_attempts,
+                               "finished_at": None, "updated_at": timezone.now()}
+    if clear_run_after:
+        changes["run_after"] = None
+    Job.objects.using(using).filter(pk=job_id).update(**changes)
+
+
+def mark_cancelled(using: str, job_id: Any) -> None:
+    """Mirror a cancel Redis already applied (the job was taken off its list)."""
+    now = timezone.now()
+    Job.objects.using(using).filter(pk=job_id).update(
+        state=JobState.CANCELLED, finished_at=now, updated_at=now)
+
+
+def lock_prunable(using: str, *, backend: str, state: str, unchanged_since: datetime,
+                  limit: int) -> list[tuple[Any, str]]:
+    """Lock up to ``limit`` jobs in finished ``state`` untouched since the cutoff: (id, queue).
+
+    One state per query, oldest first, so the walk is a range scan of the
+    (state, updated_at) index however many rows there are. A finished row's
+    ``updated_at`` is its finish (or a later staff action), never earlier.
+    Rows a staff action holds are skipped (SKIP LOCKED), not waited for: the
+    action may make the job unfinished again, and the next run prunes the
+    rest.
+    """
+    if state not in FINISHED_STATES:
+        raise ValueError(f"Only finished jobs are pruned, not {state!r} ones.")
+    rows = (Job.objects.using(using).select_for_update(skip_locked=True)
+            .filter(backend=backend, state=state, updated_at__lt=unchanged_since)
+            .order_by("updated_at")
+            .values_list("pk", "queue")[:limit])
+    return list(rows)
+
+
+def delete_jobs(using: str, job_ids: Sequence[Any]) -> tuple[int, int]:
+    """Delete jobs and their attempts; returns (jobs, attempts) deleted.
+
+    Two plain DELETEs: ``QuerySet.delete()`` on jobs would first load every
+    row (JSON arguments included) to collect the cascade, which doubled the
+    time of a million-row prune.
+    """
+    attempts, _ = Attempt.objects.using(using).filter(job_id__in=job_ids).delete()
+    if not job_ids:
+        return 0, attempts
+    connection = connections[using]
+    quote, pk = connection.ops.quote_name, Job._meta.pk
+    placeholders = ", ".join(["%s"] * len(job_ids))
+    with connection.cursor() as cursor:
+        cursor.execute(f"DELETE FROM {quote(Job._meta.db_table)} WHERE {quote(str(pk.column))} "
+                       f"IN ({placeholders})",
+                       [pk.get_db_prep_value(job_id, connection) for job_id in job_ids])
+        return cursor.rowcount, attempts

@@ -31,14 +31,20 @@ import threading
 import time
 import traceback
 import uuid
-from collections import defaultdict, deque
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import redis
-from django.db import DatabaseError, InterfaceError, close_old_connections, connections
+from django.db import (
+    DatabaseError,
+    InterfaceError,
+    OperationalError,
+    close_old_connections,
+    connections,
+)
 from django.tasks import TaskContext, TaskResult, TaskResultStatus
 from django.tasks.signals import task_finished, task_started
 from django.utils import timezone
@@ -48,7 +54,8 @@ from . import mirror, payload, retry
 from .broker import ClaimedJob
 from .checks import mask_password
 from .exceptions import JobTimeout, UnknownTask
-from .faults import crash_point
+from .faults import crash_point, raise_point
+from .handoff import JobBuffer, StartMarks
 from .isolation import ChildFailed, run_in_child
 from .mirror import AttemptRecord
 from .models import AttemptOutcome, JobState
@@ -100,57 +107,6 @@ class Outage:
         logger.warning("%s is back after %.1f s.", self.name, time.monotonic() - self.down_since)
         self.down_since = None
         return True
-
-
-class StartMarks:
-    """Group commit of start marks: one script call for every thread waiting.
-
-    The first executor thread to arrive flushes the marks of all threads
-    that queued up meanwhile (leader/follower), so marking costs one Redis
-    round trip per group of starts, not per job.
-    """
-
-    def __init__(self, broker: Any) -> None:
-        self._broker = broker
-        self._cond = threading.Condition()
-        self._pending: list[list[Any]] = []
-        self._flushing = False
-
-    def mark(self, jobs: list[ClaimedJob]) -> list[bool]:
-        """Mark ``jobs`` started; True for each attempt still held. Raises RedisError."""
-        slots: list[list[Any]] = [[job, None] for job in jobs]  # [job, bool or error]
-        with self._cond:
-            self._pending += slots
-            while any(slot[1] is None for slot in slots):
-                if self._flushing:
-                    self._cond.wait()
-                    continue
-                self._flushing = True
-                batch, self._pending = self._pending, []
-                self._cond.release()
-                try:
-                    self._flush(batch)
-                finally:
-                    self._cond.acquire()
-                    self._flushing = False
-                    self._cond.notify_all()
-        for slot in slots:
-            if isinstance(slot[1], BaseException):
-                raise slot[1]
-        return [bool(slot[1]) for slot in slots]
-
-    def _flush(self, batch: list[list[Any]]) -> None:
-        by_queue: dict[str, list[list[Any]]] = defaultdict(list)
-        for slot in batch:
-            by_queue[slot[0].queue].append(slot)
-        for queue, slots in by_queue.items():
-            try:
-                marked: list[Any] = self._broker.start(
-                    queue, [(s[0].id, s[0].attempt) for s in slots])
-            except redis.RedisError as exc:
-                marked = [exc] * len(slots)
-            for slot, result in zip(slots, marked, strict=True):
-                slot[1] = result
 
 
 @dataclass(slots=True)
@@ -218,17 +174,16 @@ class Worker:
         self.broker = backend.broker
         self.sweep = Sweep(backend, self.queues)
         self.stats = WorkerStats()
+        #: True when a worker thread died of an unexpected error (exit non-zero).
+        self.crashed = False
         self._start_marks = StartMarks(self.broker)
-        #: Jobs (or the stop sentinel) an executor took while grouping but
-        #: must not group; any executor takes them before the shared buffer.
-        self._put_aside: deque[ClaimedJob | None] = deque()
+        self._buffer = JobBuffer()
         #: Outcomes handed to the finisher, and a condition on their flushing.
         self._outcomes_total = 0
         self._flushed = threading.Condition()
 
         self._in_hand: dict[tuple[str, str], Held] = {}
         self._lock = threading.Lock()
-        self._todo: queue_module.SimpleQueue[ClaimedJob | None] = queue_module.SimpleQueue()
         self._done: queue_module.SimpleQueue[Outcome | None] = queue_module.SimpleQueue()
         self._slot_freed = threading.Event()
         self._stopping = threading.Event()
@@ -272,10 +227,12 @@ class Worker:
             self.concurrency, known,
         )
         executors = [
-            threading.Thread(target=self._execute_loop, name=f"rj-exec-{i}", daemon=True)
+            threading.Thread(target=self._guarded, args=(self._execute_loop,),
+                             name=f"rj-exec-{i}", daemon=True)
             for i in range(self.concurrency)
         ]
-        finisher = threading.Thread(target=self._finish_loop, name="rj-finisher", daemon=True)
+        finisher = threading.Thread(target=self._guarded, args=(self._finish_loop,),
+                                    name="rj-finisher", daemon=True)
         for thread in (*executors, finisher):
             thread.start()
         try:
@@ -284,20 +241,25 @@ class Worker:
             self._shutdown(executors, finisher)
         return self.stats
 
+    def _guarded(self, loop: Callable[[], None]) -> None:
+        """Run a thread's loop; if it dies of a bug, stop the whole worker.
+
+        A worker missing its finisher or an executor would keep renewing the
+        leases of jobs nobody finishes: they would be stuck forever. Better to
+        hand everything back and exit non-zero, so a supervisor restarts it.
+        """
+        try:
+            loop()
+        except BaseException:
+            self.crashed = True
+            logger.critical("Worker thread %s died; handing every job back and stopping.",
+                            threading.current_thread().name, exc_info=True)
+            self._hard_stop.set()
+            self.stop()
+
     def _shutdown(self, executors: list[threading.Thread], finisher: threading.Thread) -> None:
         self._stopping.set()
-        unstarted = [job for job in self._put_aside if job is not None]
-        self._put_aside.clear()
-        while True:
-            try:
-                job = self._todo.get_nowait()
-            except queue_module.Empty:
-                break
-            if job is not None:
-                unstarted.append(job)
-        self._release([(job, False) for job in unstarted])
-        for _ in executors:
-            self._todo.put(None)
+        self._release([(job, False) for job in self._buffer.close()])
         deadline = time.monotonic() + (0 if self._hard_stop.is_set() else self.grace_s)
         for thread in executors:
             while (thread.is_alive() and time.monotonic() < deadline
@@ -422,8 +384,7 @@ class Worker:
             for job in result.jobs:
                 self._in_hand[(queue, job.id)] = Held(job)
         self._claimed_total += len(result.jobs)
-        for job in result.jobs:
-            self._todo.put(job)
+        self._buffer.put(result.jobs)
         for job_id, attempts in result.dead:
             self._done.put(Outcome(mirror.expired_record(
                 job_id, attempts, dead=True,
@@ -527,59 +488,36 @@ class Worker:
     # -- executor threads --------------------------------------------------
 
     def _execute_loop(self) -> None:
-        """Run jobs from the shared buffer, marking them started in small groups.
+        """Run jobs from the buffer, marking them started in small groups first.
 
         A first attempt is marked together with up to MARK_AHEAD - 1 more
-        first attempts this thread then runs in turn (one round trip for the
-        group); a crash charges at most those. A later attempt, possibly a
-        job that crashed its worker before, is marked alone and only once the
-        outcomes of everything this worker finished are durable.
+        waiting first attempts (one round trip for the group), which go back
+        to the front of the buffer for any thread to run; a crash charges at
+        most those. A later attempt, possibly a job that crashed its worker
+        before, is marked alone and only once the outcomes of everything this
+        worker finished are durable.
         """
-        ready: deque[ClaimedJob] = deque()
-        while True:
-            if not ready:
-                try:
-                    job = self._put_aside.popleft()
-                except IndexError:
-                    job = self._todo.get()
-                if job is None:
-                    return
-                if self._stopping.is_set():
-                    self._release([(job, False)])
-                    continue
+        while (item := self._buffer.get()) is not None:
+            job, marked = item
+            if self._stopping.is_set():
+                self._release([(job, False)])
+                continue
+            if not marked:
                 if job.attempt > 1:
                     self._wait_until_flushed()
                     group = [job]
                 else:
-                    group = [job, *self._more_first_attempts(MARK_AHEAD - 1)]
-                ready.extend(self._mark_started(group))
-                continue
-            job = ready.popleft()
-            if self._stopping.is_set():
-                self._release([(job, False)])
-                continue
+                    group = [job, *self._buffer.take_first_attempts(MARK_AHEAD - 1)]
+                held = self._mark_started(group)
+                if not held:
+                    continue
+                job = held[0]
+                self._buffer.put_marked(held[1:])
             close_old_connections()
             try:
                 self._execute(job)
             finally:
                 close_old_connections()
-
-    def _more_first_attempts(self, limit: int) -> list[ClaimedJob]:
-        """Take up to ``limit`` more first attempts waiting in the buffer, without blocking."""
-        taken: list[ClaimedJob] = []
-        while len(taken) < limit:
-            try:
-                job = self._todo.get_nowait()
-            except queue_module.Empty:
-                break
-            if job is None or job.attempt > 1:
-                # A stop sentinel or a retry (marked alone): next in line, not
-                # sent to the back of the buffer, where a busy stream of claims
-                # could keep it waiting.
-                self._put_aside.append(job)
-                break
-            taken.append(job)
-        return taken
 
     def _mark_started(self, jobs: list[ClaimedJob]) -> list[ClaimedJob]:
         """Record in Redis that ``jobs`` start now; return those still ours.
@@ -746,6 +684,7 @@ class Worker:
                     closing = True
                     break
                 batch.append(item)
+            raise_point("finisher_bug")
             if batch and not self._write_mirror(batch):
                 return
             if batch:
@@ -759,7 +698,10 @@ class Worker:
                 mirror.record(self.config.DATABASE, [o.record for o in batch])
                 self._db_outage.ok()
                 return True
-            except (DatabaseError, InterfaceError) as exc:
+            except (OperationalError, InterfaceError) as exc:
+                # Only a lost or refused connection is worth retrying; any other
+                # database error is a bug no retry fixes, and it propagates:
+                # the worker stops and hands its jobs back (see _guarded).
                 self._db_outage.failed(exc, f"writing {len(batch)} outcome(s) to the mirror")
                 connections[self.config.DATABASE].close()
             if self._hard_stop.wait(backoff):

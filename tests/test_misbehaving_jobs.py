@@ -114,3 +114,24 @@ def test_stalled_worker_loses_its_job_and_its_late_ack_is_refused(
     assert not redis_client.exists(KEYS.job(result.id))
     for worker in (stalled, other):
         assert processes.stop(worker) == 0
+
+
+def test_worker_whose_finisher_dies_hands_its_jobs_back_and_exits_non_zero(
+    rj_settings: Any, processes: Processes, redis_client: redis.Redis
+) -> None:
+    # Given: a worker whose finisher thread dies of a bug on its first batch
+    env = rj_settings()
+    results = [demo.add.enqueue(i, 100) for i in range(5)]
+    broken = processes.worker(env, extra_env={"RJ_CRASH_AT": "finisher_bug"})
+
+    # When: it notices
+    # Then: it exits non-zero at once instead of renewing leases of jobs nobody finishes
+    assert broken.wait(timeout=30) == 1, processes.log(broken)
+    assert "died; handing every job back" in processes.log(broken)
+    assert redis_client.llen(KEYS.processing) == 0
+    assert redis_client.llen(KEYS.queued) == 5
+    # and a healthy worker runs every job
+    healthy = processes.worker(env, "--burst")
+    assert healthy.wait(timeout=60) == 0, processes.log(healthy)
+    for i, r in enumerate(results):
+        assert demo.add.get_result(r.id).return_value == i + 100

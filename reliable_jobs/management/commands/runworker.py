@@ -98,3 +98,6 @@ class Command(BaseCommand):
         )
         worker.install_signal_handlers()
         worker.run()
+        if worker.crashed:
+            raise CommandError("A worker thread died of an unexpected error (logged above); "
+                               "its jobs were handed back.")
