@@ -1,13 +1,45 @@
-"""A read-only history of jobs and their attempts in the Django admin."""
+"""The Django admin: every job's history, its attempts, staff actions, the live dashboard.
+
+Rows are never edited here: the admin reads the mirror, and the three
+actions (retry, cancel, requeue) go through :mod:`reliable_jobs.staff`, which
+acts in Redis first and mirrors what Redis did. Each action has its own model
+permission and is offered on the changelist and on the job's page.
+
+Everything a job carries (arguments, return value, errors, tracebacks) is
+user data: it is rendered through ``format_html``/``escape`` only, so
+``<script>`` in an argument is shown as text.
+"""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
+from datetime import datetime
 from typing import Any
 
-from django.contrib import admin
-from django.http import HttpRequest
+import redis
+from django.contrib import admin, messages
+from django.contrib.admin import ActionLocation
+from django.core.exceptions import PermissionDenied
+from django.db.models import QuerySet
+from django.db.models.expressions import Combinable
+from django.http import Http404, HttpRequest, HttpResponse
+from django.template.response import TemplateResponse
+from django.urls import URLPattern, path, reverse
+from django.utils import timezone
+from django.utils.html import format_html
+from django.utils.safestring import SafeString
+from django.utils.translation import gettext_lazy as _
 
+from . import changelist, dashboard, staff
 from .models import Attempt, Job
+
+#: Jobs one action handles at most per click (each is a transaction and a
+#: Redis call); the message says when more were selected.
+ACTION_LIMIT = 1_000
+#: Refusals listed one by one in the admin message before "and N more".
+MESSAGES_LISTED = 10
+BOTH = [ActionLocation.CHANGE_LIST, ActionLocation.CHANGE_FORM]
 
 
 class ReadOnlyMixin:
@@ -21,29 +53,303 @@ class ReadOnlyMixin:
         return False
 
 
-class AttemptInline(ReadOnlyMixin, admin.TabularInline):
+def badge(kind: str, value: str, label: Any) -> SafeString:
+    """A coloured label; ``value`` picks the colour class (admin.css)."""
+    return format_html('<span class="rj-badge rj-{}-{}">{}</span>', kind, value, label)
+
+
+def duration(started: datetime | None, finished: datetime | None) -> str:
+    """A short human duration ("850 ms", "12.3 s", "4 min 5 s", "2 h 3 min")."""
+    if not started or not finished:
+        return ""
+    ms = (finished - started).total_seconds() * 1000
+    if ms < 1000:
+        return f"{ms:.0f} ms"
+    if ms < 60_000:
+        return f"{ms / 1000:.1f} s"
+    minutes, seconds = divmod(int(ms // 1000), 60)
+    if minutes < 60:
+        return f"{minutes} min {seconds} s"
+    return f"{minutes // 60} h {minutes % 60} min"
+
+
+def timestamp(moment: datetime | None, *, ms: bool = True) -> str | None:
+    """A sortable local time to the second (or millisecond): job timings need it.
+
+    None for no time, so the admin shows its empty-value dash.
+    """
+    if moment is None:
+        return None
+    local = timezone.localtime(moment)
+    text = f"{local:%Y-%m-%d %H:%M:%S}"
+    return f"{text}.{local.microsecond // 1000:03d}" if ms else text
+
+
+def pretty_json(value: Any) -> SafeString:
+    return format_html('<pre class="rj-pre">{}</pre>',
+                       json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True))
+
+
+# django-stubs makes the admin classes generic; Django's are not subscriptable at run time.
+class AttemptInline(ReadOnlyMixin, admin.TabularInline):  # type: ignore[type-arg]
     model = Attempt
     extra = 0
-    fields = ("number", "worker_id", "started_at", "finished_at", "outcome", "error")
+    fields = ("number", "worker_id", "started", "finished", "took", "result", "details")
     readonly_fields = fields
+    ordering = ("number",)
     can_delete = False
     show_change_link = False
 
+    @admin.display(description=_("started"))
+    def started(self, attempt: Attempt) -> str | None:
+        return timestamp(attempt.started_at)
+
+    @admin.display(description=_("finished"))
+    def finished(self, attempt: Attempt) -> str | None:
+        return timestamp(attempt.finished_at)
+
+    @admin.display(description=_("duration"))
+    def took(self, attempt: Attempt) -> str:
+        return duration(attempt.started_at, attempt.finished_at)
+
+    @admin.display(description=_("outcome"))
+    def result(self, attempt: Attempt) -> SafeString:
+        if not attempt.outcome:
+            return badge("outcome", "open", _("in progress"))
+        return badge("outcome", attempt.outcome, attempt.get_outcome_display())
+
+    @admin.display(description=_("error"))
+    def details(self, attempt: Attempt) -> SafeString | str:
+        if not attempt.traceback:
+            return attempt.error
+        return format_html('{}<details><summary>{}</summary><pre class="rj-pre">{}</pre>'
+                           "</details>", attempt.error, _("traceback"), attempt.traceback)
+
 
 @admin.register(Job)
-class JobAdmin(ReadOnlyMixin, admin.ModelAdmin):
-    list_display = ("id", "task_path", "queue", "state", "attempts", "max_attempts",
-                    "enqueued_at", "started_at", "finished_at", "short_error")
-    list_filter = ("state", "queue", "task_path", "enqueued_at")
+class JobAdmin(ReadOnlyMixin, admin.ModelAdmin):  # type: ignore[type-arg]  # as AttemptInline
+    list_display = ("short_id", "task_path", "queue", "state_badge", "attempts_of", "enqueued",
+                    "started", "finished", "took", "short_error")
+    list_filter = ("state", changelist.QueueFilter, changelist.TaskFilter,
+                   changelist.EnqueuedFilter, changelist.DriftFilter)
     search_fields = ("=id", "task_path")
+    search_help_text = _("A job id (or its first 4+ characters), or part of a task path.")
+    show_facets = admin.ShowFacets.NEVER  # a count per filter choice: a scan each
     ordering = ("-enqueued_at",)
-    date_hierarchy = "enqueued_at"
     show_full_result_count = False
+    paginator = changelist.EstimatedCountPaginator
+    list_per_page = 50
     inlines = [AttemptInline]
-    readonly_fields = ("id", "backend", "queue", "task_path", "args", "kwargs", "priority",
-                       "state", "attempts", "max_attempts", "run_after", "enqueued_at",
-                       "started_at", "finished_at", "updated_at", "return_value", "last_error")
+    actions = ["retry_jobs", "cancel_jobs", "requeue_jobs"]
+    fieldsets = (
+        (None, {"fields": ("id", "task_path", "queue", "backend", "state_badge", "attempts_of",
+                           "priority")}),
+        (_("Timing"), {"fields": ("runs_after", "enqueued", "started", "finished", "took",
+                                  "updated")}),
+        (_("Arguments and result"), {"fields": ("args_json", "kwargs_json", "return_json")}),
+        (_("Error"), {"fields": ("last_error", "traceback")}),
+    )
+    readonly_fields = ("id", "task_path", "queue", "backend", "state_badge", "attempts_of",
+                       "priority", "runs_after", "enqueued", "started", "finished", "took",
+                       "updated", "args_json", "kwargs_json", "return_json", "last_error",
+                       "traceback")
 
-    @admin.display(description="last error")
+    class Media:
+        css = {"all": ["reliable_jobs/admin.css"]}
+
+    # -- columns and fields ----------------------------------------------
+
+    @admin.display(description=_("id"), ordering="pk")
+    def short_id(self, job: Job) -> SafeString:
+        """The first 8 characters, like a short git hash; the whole id on hover."""
+        return format_html('<span class="rj-id" title="{}">{}</span>', job.pk, str(job.pk)[:8])
+
+    @admin.display(description=_("state"), ordering="state")
+    def state_badge(self, job: Job) -> SafeString:
+        return badge("state", job.state, job.get_state_display())
+
+    @admin.display(description=_("attempts"))
+    def attempts_of(self, job: Job) -> str:
+        return f"{job.attempts}/{job.max_attempts}"
+
+    @admin.display(description=_("run after"))
+    def runs_after(self, job: Job) -> str | None:
+        return timestamp(job.run_after)
+
+    @admin.display(description=_("enqueued"), ordering="enqueued_at")
+    def enqueued(self, job: Job) -> str | None:
+        return timestamp(job.enqueued_at, ms=False)
+
+    @admin.display(description=_("started"), ordering="started_at")
+    def started(self, job: Job) -> str | None:
+        return timestamp(job.started_at, ms=False)
+
+    @admin.display(description=_("finished"), ordering="finished_at")
+    def finished(self, job: Job) -> str | None:
+        return timestamp(job.finished_at, ms=False)
+
+    @admin.display(description=_("updated"))
+    def updated(self, job: Job) -> str | None:
+        return timestamp(job.updated_at)
+
+    @admin.display(description=_("duration"))
+    def took(self, job: Job) -> str:
+        return duration(job.started_at, job.finished_at)
+
+    @admin.display(description=_("last error"))
     def short_error(self, job: Job) -> str:
         return job.last_error.splitlines()[0][:120] if job.last_error else ""
+
+    @admin.display(description=_("args"))
+    def args_json(self, job: Job) -> SafeString:
+        return pretty_json(job.args)
+
+    @admin.display(description=_("kwargs"))
+    def kwargs_json(self, job: Job) -> SafeString:
+        return pretty_json(job.kwargs)
+
+    @admin.display(description=_("return value"))
+    def return_json(self, job: Job) -> SafeString:
+        return pretty_json(job.return_value)
+
+    @admin.display(description=_("traceback"))
+    def traceback(self, job: Job) -> SafeString | str:
+        """The newest failed attempt's traceback."""
+        failed = (job.attempt_set.exclude(traceback="").order_by("-number")
+                  .values_list("number", "traceback").first())
+        if failed is None:
+            return ""
+        number, text = failed
+        return format_html('<p>{}</p><pre class="rj-pre">{}</pre>',
+                           _("Attempt %(n)s:") % {"n": number}, text)
+
+    def get_ordering(self, request: HttpRequest
+                     ) -> list[str | Combinable] | tuple[str | Combinable, ...] | tuple[()]:
+        # The drifted jobs are the rows unchanged the longest: list them that
+        # way. It also keeps PostgreSQL on their primary keys, where ordering
+        # by enqueued_at would walk that index through most of the table.
+        if changelist.DriftFilter.parameter_name in request.GET:
+            return ("updated_at", "pk")
+        return super().get_ordering(request)
+
+    def get_search_results(self, request: HttpRequest, queryset: QuerySet[Job],
+                           search_term: str) -> tuple[QuerySet[Job], bool]:
+        return changelist.search(queryset, search_term), False
+
+    # -- staff actions -----------------------------------------------------
+
+    def has_retry_permission(self, request: HttpRequest) -> bool:
+        return request.user.has_perm(f"{self.opts.app_label}.retry_job")
+
+    def has_cancel_permission(self, request: HttpRequest) -> bool:
+        return request.user.has_perm(f"{self.opts.app_label}.cancel_job")
+
+    def has_requeue_permission(self, request: HttpRequest) -> bool:
+        return request.user.has_perm(f"{self.opts.app_label}.requeue_job")
+
+    @admin.action(description=_("Retry (dead jobs: queue again with a fresh attempt budget)"),
+                  description_plural=_("Retry selected dead jobs"),
+                  permissions=["retry"], location=BOTH)
+    def retry_jobs(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
+        self._act(request, queryset, staff.retry,
+                  _("%(n)s dead jobs are queued again, each with a fresh attempt budget."))
+
+    @admin.action(description=_("Cancel (queued or scheduled jobs that have not started)"),
+                  description_plural=_("Cancel selected jobs that have not started"),
+                  permissions=["cancel"], location=BOTH)
+    def cancel_jobs(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
+        self._act(request, queryset, staff.cancel,
+                  _("Cancelled %(n)s jobs that had not started: they will not run."))
+
+    @admin.action(description=_("Requeue (run a scheduled job now, or a cancelled one again)"),
+                  description_plural=_("Requeue selected scheduled or cancelled jobs"),
+                  permissions=["requeue"], location=BOTH)
+    def requeue_jobs(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
+        self._act(request, queryset, staff.requeue, _("Requeued %(n)s jobs: they are queued now."))
+
+    def _act(self, request: HttpRequest, queryset: QuerySet[Job],
+             operation: Callable[[Any, Any], staff.Outcome], summary: Any) -> None:
+        """Run ``operation`` on each selected job; one message for the done, one per refusal.
+
+        ``summary`` says what happened to ``%(n)s`` jobs when more than one was
+        done (a single job gets its own sentence).
+        """
+        jobs = list(queryset.order_by("pk").only("pk", "backend", "task_path")[:ACTION_LIMIT + 1])
+        selected = queryset.count() if len(jobs) > ACTION_LIMIT else len(jobs)
+        outcomes = []
+        for job in jobs[:ACTION_LIMIT]:
+            outcome = self._act_on(job, operation)
+            if outcome.done:
+                self.log_change(request, job, outcome.message)
+            outcomes.append(outcome)
+        done = [o for o in outcomes if o.done]
+        refused = [o for o in outcomes if not o.done]
+        if len(done) == 1:
+            self.message_user(request, done[0].message, messages.SUCCESS)
+        elif done:
+            self.message_user(request, summary % {"n": len(done)}, messages.SUCCESS)
+        for outcome in refused[:MESSAGES_LISTED]:
+            self.message_user(request, outcome.message, messages.WARNING)
+        if len(refused) > MESSAGES_LISTED:
+            self.message_user(request, f"{len(refused) - MESSAGES_LISTED} more jobs were not "
+                              "changed for the same kinds of reasons.", messages.WARNING)
+        if selected > ACTION_LIMIT:
+            self.message_user(request, f"Only {ACTION_LIMIT} of the {selected} selected jobs "
+                              "were handled; select the rest (the state filter helps) and run "
+                              "the action again.", messages.WARNING)
+
+    @staticmethod
+    def _act_on(job: Job, operation: Callable[[Any, Any], staff.Outcome]) -> staff.Outcome:
+        if job.backend not in changelist.reliable_backends():
+            return staff.Outcome(str(job.pk), False, f"Job {job.pk} belongs to backend "
+                                 f"{job.backend!r}, which is not configured: it was not changed.")
+        try:
+            return operation(changelist.reliable_backend(job.backend), job.pk)
+        except redis.RedisError as exc:
+            return staff.Outcome(str(job.pk), False, f"Redis did not answer ({exc}): job "
+                                 f"{job.pk} was not changed.")
+
+    # -- the dashboard -----------------------------------------------------
+
+    def get_urls(self) -> list[URLPattern]:
+        view = self.admin_site.admin_view(self.dashboard_view)
+        name = f"{self.opts.app_label}_{self.opts.model_name}_dashboard"
+        return [
+            path("dashboard/", view, name=name),
+            path("dashboard/<str:alias>/", view, name=name),
+            *super().get_urls(),
+        ]
+
+    def dashboard_view(self, request: HttpRequest, alias: str | None = None) -> HttpResponse:
+        """Live counts, workers, throughput and drift of one backend."""
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        aliases = changelist.reliable_backends()
+        alias = alias or (aliases[0] if aliases else None)
+        if alias not in aliases:
+            raise Http404(f"There is no reliable_jobs backend {alias!r} in TASKS.")
+        backend = changelist.reliable_backend(alias)
+        snap = dashboard.snapshot(backend)
+        bars, peak = dashboard.chart(snap.minutes)
+        changelist_url = reverse(f"{self.admin_site.name}:"
+                                 f"{self.opts.app_label}_{self.opts.model_name}_changelist")
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.opts,
+            "title": _("Jobs dashboard: %(alias)s") % {"alias": alias},
+            "alias": alias,
+            "aliases": aliases,
+            "snap": snap,
+            "bars": bars,
+            "peak": peak,
+            "changelist_url": changelist_url,
+            "drift_url": f"{changelist_url}?drift={alias}",
+            "prefix": backend.config.PREFIX,
+        }
+        return TemplateResponse(request, "admin/reliable_jobs/job/dashboard.html", context)
+
+    def changelist_view(self, request: HttpRequest,
+                        extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        aliases = changelist.reliable_backends()
+        return super().changelist_view(request, {**(extra_context or {}),
+                                                 "rj_dashboards": aliases})

@@ -321,3 +321,58 @@ class Broker:
     def server_time_ms(self) -> int:
         seconds, micros = self.client.time()
         return int(seconds) * 1000 + int(micros) // 1000
+
+    # -- the admin: staff actions, retention and the dashboard ----------
+    # (added for the admin issue; the methods above are unchanged)
+
+    def requeue(self, queue: str, job_id: str) -> tuple[bool, str]:
+        """Run a scheduled job now; returns (moved, state found, '' when no hash)."""
+        k = self.keys(queue)
+        moved, state = self._run("requeue", (k.queued, k.scheduled, k.wake, k.job_prefix),
+                                 (job_id,))
+        return bool(moved), state
+
+    def purge(self, queue: str, job_ids: Sequence[str]) -> int:
+        """Forget dead jobs whose rows are being pruned; returns hashes deleted."""
+        if not job_ids:
+            return 0
+        k = self.keys(queue)
+        purged = 0
+        for start in range(0, len(job_ids), 1000):  # bounded script calls
+            purged += int(self._run("purge", (k.dead, k.job_prefix), job_ids[start:start + 1000]))
+        return purged
+
+    def workers(self, *, limit: int = 500) -> list[WorkerBeat]:
+        """Workers whose heartbeat has not expired, newest beat first (``limit`` at most).
+
+        The index keeps a worker until it says goodbye; one killed with
+        SIGKILL stays there, so only ids whose heartbeat key still exists
+        (it has a TTL) are returned.
+        """
+        index = workers_index(self.prefix)
+        beats = [(str(entry[0]), int(entry[1]))  # withscores: (member, score) pairs
+                 for entry in self.client.zrevrange(index, 0, limit - 1, withscores=True)
+                 if isinstance(entry, tuple)]
+        if not beats:
+            return []
+        with self.client.pipeline(transaction=False) as pipe:
+            for worker_id, _ in beats:
+                pipe.get(worker_key(self.prefix, worker_id))
+            infos = pipe.execute()
+        return [
+            WorkerBeat(worker_id, beat_ms, json.loads(raw))
+            for (worker_id, beat_ms), raw in zip(beats, infos, strict=True)
+            if raw
+        ]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerBeat:
+    """A live worker's last heartbeat: what ``Worker._heartbeat`` wrote."""
+
+    id: str
+    #: When it last beat, in ms since the epoch (the worker's clock).
+    beat_ms: int
+    #: id, host, pid, queues, concurrency, jobs ("queue:id", at most 50),
+    #: started (epoch s), claimed, finished.
+    info: dict[str, Any]

@@ -90,6 +90,12 @@ class Job(models.Model):
             models.Index(fields=["task_path"], name="rj_job_task"),
             models.Index(fields=["-enqueued_at"], name="rj_job_enqueued"),
         ]
+        # Staff actions in the admin, each granted on its own (staff.py).
+        permissions = [
+            ("retry_job", _("Can retry dead jobs")),
+            ("cancel_job", _("Can cancel jobs that have not started")),
+            ("requeue_job", _("Can requeue scheduled or cancelled jobs")),
+        ]
 
     def __str__(self) -> str:
         return f"{self.task_path} ({self.id})"
@@ -119,6 +125,8 @@ class Attempt(models.Model):
         constraints = [
             models.UniqueConstraint(fields=["job", "number"], name="rj_attempt_job_number"),
         ]
+        # The dashboard's throughput per minute reads the last hour of attempts.
+        indexes = [models.Index(fields=["finished_at"], name="rj_attempt_finished")]
 
     def __str__(self) -> str:
         return f"attempt {self.number} of {self.job_id}"

@@ -1294,6 +1294,10 @@ def run_every_script(broker: Broker, queue: str) -> None:
     broker.recover(queue, lease_ms=SHORT_LEASE_MS)
     broker.cancel(queue, "later")
     broker.revive(queue, jobs[1].id, extra_attempts=1)
+    # The admin's scripts (staff requeue, retention purge).
+    broker.enqueue(queue, [new_job("waiting", due_ms=now_ms + 60_000)])
+    broker.requeue(queue, "waiting")
+    broker.purge(queue, [jobs[1].id, "gone"])
 
 
 def test_every_key_the_broker_passes_shares_the_queues_slot(broker: Broker) -> None:

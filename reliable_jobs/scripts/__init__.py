@@ -18,8 +18,10 @@ SCRIPT_NAMES = (
     "extend",
     "nack",
     "promote",
+    "purge",
     "recover",
     "release",
+    "requeue",
     "revive",
     "start",
 )

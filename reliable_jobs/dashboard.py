@@ -1,0 +1,272 @@
+"""The numbers of the live dashboard and ``jobstats``: one backend at a time.
+
+Queue counts and workers come live from Redis (list lengths and heartbeats);
+throughput comes from the ``Attempt`` rows of the last hour; drift compares
+the two sides the way reconcile does. Every part is bounded, so the page
+costs the same with a thousand jobs or a million: a few pipelined Redis
+calls, one grouped query on an index, and at most ``DRIFT_SCAN`` rows
+checked.
+
+A part whose server does not answer is reported as such, not raised: the
+dashboard is where staff look when something is down.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+import redis
+from django.db import DatabaseError
+from django.db.models import Count
+from django.db.models.functions import TruncMinute
+from django.utils import timezone
+
+from .models import FAILED_OUTCOMES, UNFINISHED_STATES, Attempt, AttemptOutcome, Job, JobState
+
+if TYPE_CHECKING:
+    from .backend import ReliableJobsBackend
+
+#: Unfinished rows drift checks at most per call.
+DRIFT_SCAN = 5_000
+#: Job ids per pipelined Redis check.
+DRIFT_BATCH = 500
+#: Minutes of throughput shown.
+WINDOW_MINUTES = 60
+
+
+@dataclass(frozen=True, slots=True)
+class QueueLine:
+    name: str
+    queued: int
+    running: int
+    scheduled: int
+    dead: int
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLine:
+    id: str
+    host: str
+    pid: int | None
+    queues: list[str]
+    #: Jobs it holds (claimed, running or waiting to be acked).
+    jobs: int
+    since: datetime | None
+    last_beat: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class Minute:
+    at: datetime
+    succeeded: int
+    failed: int
+
+
+@dataclass(frozen=True, slots=True)
+class Drift:
+    """Jobs the database and Redis disagree on, as reconcile would see them.
+
+    Only rows unchanged for ``RECONCILE_GRACE_MS`` count: a fresher row may
+    simply be a batch behind Redis, which is the hot path working, not drift.
+    """
+
+    checked: int
+    #: Unfinished in the database, absent from Redis (reconcile pushes them again).
+    missing: list[str]
+    #: Unfinished in the database, dead in Redis (reconcile copies the death).
+    dead_in_redis: list[str]
+    #: False when more candidates than DRIFT_SCAN exist (the rest were not checked).
+    complete: bool
+
+    @property
+    def ids(self) -> list[str]:
+        return self.missing + self.dead_in_redis
+
+    @property
+    def count(self) -> int:
+        return len(self.missing) + len(self.dead_in_redis)
+
+
+@dataclass
+class Snapshot:
+    """Everything the dashboard shows for one backend."""
+
+    backend: str
+    queues: list[QueueLine] = field(default_factory=list)
+    workers: list[WorkerLine] = field(default_factory=list)
+    minutes: list[Minute] = field(default_factory=list)
+    drift: Drift | None = None
+    #: Why a part is missing: one whole sentence per server that failed.
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def totals(self) -> QueueLine:
+        return QueueLine("all", *(sum(getattr(q, f) for q in self.queues)
+                                  for f in ("queued", "running", "scheduled", "dead")))
+
+    @property
+    def succeeded_last_hour(self) -> int:
+        return sum(m.succeeded for m in self.minutes)
+
+    @property
+    def failed_last_hour(self) -> int:
+        return sum(m.failed for m in self.minutes)
+
+
+def snapshot(backend: ReliableJobsBackend, *, now: datetime | None = None) -> Snapshot:
+    """Collect every part, noting (not raising) a server that does not answer."""
+    snap = Snapshot(backend.alias)
+    try:
+        snap.queues = queue_counts(backend)
+        snap.workers = workers(backend)
+    except redis.RedisError as exc:
+        snap.problems.append(f"Redis did not answer ({exc}): queue counts and workers are "
+                             "unknown.")
+    try:
+        snap.minutes = throughput(backend, now=now)
+    except DatabaseError as exc:
+        snap.problems.append(f"The database did not answer ({exc}): throughput is unknown.")
+    try:
+        snap.drift = drift(backend)
+    except (redis.RedisError, DatabaseError) as exc:
+        snap.problems.append(f"Drift could not be checked ({exc}).")
+    return snap
+
+
+def queues_of(backend: ReliableJobsBackend) -> list[str]:
+    return sorted(backend.queues)
+
+
+def queue_counts(backend: ReliableJobsBackend) -> list[QueueLine]:
+    """Live list and set sizes of each configured queue."""
+    lines = []
+    for queue in queues_of(backend):
+        counts = backend.broker.counts(queue)
+        lines.append(QueueLine(queue, counts.queued, counts.running, counts.scheduled,
+                               counts.dead))
+    return lines
+
+
+def workers(backend: ReliableJobsBackend) -> list[WorkerLine]:
+    """Workers alive (heartbeat not expired) serving any of the backend's queues."""
+    ours = set(backend.queues)
+    lines = []
+    for beat in backend.broker.workers():
+        info = beat.info
+        queues = [str(q) for q in info.get("queues") or []]
+        if queues and not ours.intersection(queues):
+            continue  # another backend sharing this prefix
+        started = info.get("started")
+        lines.append(WorkerLine(
+            id=beat.id, host=str(info.get("host", "")),
+            pid=info.get("pid") if isinstance(info.get("pid"), int) else None,
+            queues=queues, jobs=len(info.get("jobs") or []),
+            since=_from_epoch_s(started) if isinstance(started, int | float) else None,
+            last_beat=_from_epoch_s(beat.beat_ms / 1000),
+        ))
+    return lines
+
+
+def throughput(backend: ReliableJobsBackend, *, minutes: int = WINDOW_MINUTES,
+               now: datetime | None = None) -> list[Minute]:
+    """Attempts that succeeded and failed per minute, oldest first, one entry per minute.
+
+    One grouped query on the attempts' ``finished_at`` index; a minute with
+    nothing finished is a zero, so the chart's time axis is regular.
+    """
+    end = (now or timezone.now()).replace(second=0, microsecond=0) + timedelta(minutes=1)
+    start = end - timedelta(minutes=minutes)
+    rows = (Attempt.objects.using(backend.config.DATABASE)
+            .filter(finished_at__gte=start, finished_at__lt=end, job__backend=backend.alias,
+                    outcome__in=[AttemptOutcome.SUCCEEDED, *FAILED_OUTCOMES])
+            .annotate(minute=TruncMinute("finished_at"))
+            .values_list("minute", "outcome")
+            .annotate(n=Count("id"))
+            .order_by())
+    succeeded: dict[datetime, int] = {}
+    failed: dict[datetime, int] = {}
+    for minute, outcome, n in rows:
+        target = succeeded if outcome == AttemptOutcome.SUCCEEDED else failed
+        target[minute] = target.get(minute, 0) + n
+    slots = [start + timedelta(minutes=i) for i in range(minutes)]
+    return [Minute(at, succeeded.get(at, 0), failed.get(at, 0)) for at in slots]
+
+
+def drift(backend: ReliableJobsBackend, *, limit: int = DRIFT_SCAN) -> Drift:
+    """Check the ``limit`` unfinished rows unchanged the longest against Redis.
+
+    Those are where drift shows first (a healthy job's row changes as it
+    moves). One range scan of the (state, updated_at) index per unfinished
+    state, then one pipelined ``HMGET`` per queue and batch. Read-only:
+    repairing drift is reconcile's job.
+    """
+    config = backend.config
+    older_than = timezone.now() - timedelta(milliseconds=config.RECONCILE_GRACE_MS)
+    rows: list[tuple[datetime, Any, str]] = []
+    for state in UNFINISHED_STATES:
+        rows += (Job.objects.using(config.DATABASE)
+                 .filter(backend=backend.alias, state=state, updated_at__lt=older_than)
+                 .order_by("updated_at").values_list("updated_at", "pk", "queue")[:limit + 1])
+    rows.sort()
+    complete = len(rows) <= limit
+    by_queue: dict[str, list[str]] = {}
+    for _, pk, queue in rows[:limit]:
+        by_queue.setdefault(queue, []).append(str(pk))
+    missing: list[str] = []
+    dead: list[str] = []
+    for queue, ids in by_queue.items():
+        for start in range(0, len(ids), DRIFT_BATCH):
+            batch = ids[start:start + DRIFT_BATCH]
+            held = backend.broker.held_states(queue, batch)
+            for job_id in batch:
+                found = held.get(job_id)
+                if found is None:
+                    missing.append(job_id)
+                elif found["state"] == JobState.DEAD:
+                    dead.append(job_id)
+    return Drift(min(len(rows), limit), missing, dead, complete)
+
+
+# -- the chart --------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Bar:
+    """One minute of the chart, in SVG user units (y grows downwards)."""
+
+    x: float
+    width: float
+    ok_y: float
+    ok_height: float
+    failed_y: float
+    failed_height: float
+    title: str
+
+
+def chart(minutes: Sequence[Minute], *, width: int = 600, height: int = 120
+          ) -> tuple[list[Bar], int]:
+    """Stacked bars (succeeded below, failed on top) and the scale's maximum.
+
+    Drawn on the server as plain SVG: no script, no front-end build, and it
+    prints and screenshots like the rest of the page.
+    """
+    peak = max((m.succeeded + m.failed for m in minutes), default=0)
+    scale = height / peak if peak else 0.0
+    step = width / max(len(minutes), 1)
+    bars = []
+    for i, m in enumerate(minutes):
+        ok_h = m.succeeded * scale
+        failed_h = m.failed * scale
+        bars.append(Bar(
+            x=round(i * step + 0.5, 2), width=round(max(step - 1.0, 1.0), 2),
+            ok_y=round(height - ok_h, 2), ok_height=round(ok_h, 2),
+            failed_y=round(height - ok_h - failed_h, 2), failed_height=round(failed_h, 2),
+            title=f"{m.at:%H:%M} UTC: {m.succeeded} succeeded, {m.failed} failed",
+        ))
+    return bars, peak
+
+
+def _from_epoch_s(seconds: float) -> datetime:
+    return datetime.fromtimestamp(seconds, tz=UTC)

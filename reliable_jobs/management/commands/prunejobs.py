@@ -1,0 +1,62 @@
+"""``manage.py prunejobs``: delete the history of jobs that finished long ago."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import redis
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import DatabaseError
+from django.tasks import DEFAULT_TASK_BACKEND_ALIAS
+
+from reliable_jobs import retention
+from reliable_jobs.management.commands.runworker import get_backend
+
+
+class Command(BaseCommand):
+    help = (
+        "Delete jobs that finished (succeeded, dead or cancelled) more than --older-than "
+        "days ago, with their attempts, in batches; a dead job's Redis hash goes too. "
+        "Unfinished jobs are never touched. Run it daily from cron; safe to run while "
+        "workers run."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument(
+            "--older-than", type=float, default=None, metavar="DAYS",
+            help="Days since a job finished (and was last changed) before it is deleted "
+                 "(default: settings.RELIABLE_JOBS_PRUNE_DAYS, or "
+                 f"{retention.DEFAULT_PRUNE_DAYS}).")
+        parser.add_argument("--batch-size", type=int, default=retention.DEFAULT_BATCH,
+                            help="Jobs deleted per transaction (default: %(default)r).")
+        parser.add_argument("--backend", default=DEFAULT_TASK_BACKEND_ALIAS,
+                            help="TASKS alias whose jobs are pruned (default: %(default)r).")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        days = options["older_than"]
+        if days is None:
+            days = retention.prune_days()
+        if isinstance(days, bool) or not isinstance(days, int | float) or days < 0:
+            raise CommandError(f"--older-than (or RELIABLE_JOBS_PRUNE_DAYS) must be a number "
+                               f"of days >= 0, not {days!r}.")
+        if options["batch_size"] < 1:
+            raise CommandError("--batch-size must be a whole number >= 1.")
+        backend = get_backend(options["backend"])
+        if backend.config.problems:
+            raise CommandError(" ".join(message for _, message in backend.config.problems))
+        try:
+            report = retention.prune(backend, older_than=timedelta(days=days),
+                                     batch=options["batch_size"])
+        except (redis.RedisError, DatabaseError) as exc:
+            raise CommandError(f"Pruning stopped ({exc}); batches already committed stay "
+                               "deleted, and running it again goes on.") from exc
+        if options["verbosity"] >= 1:
+            states = ", ".join(f"{n} {state}" for state, n in report.by_state.items() if n)
+            self.stdout.write(
+                f"Pruned {report.jobs} finished job{'s' if report.jobs != 1 else ''} older "
+                f"than {days:g} days{f' ({states})' if states else ''} and {report.attempts} "
+                f"attempt{'s' if report.attempts != 1 else ''}, in {report.batches} "
+                f"batch{'es' if report.batches != 1 else ''}; {report.redis_hashes} dead "
+                "job hashes freed in Redis. Unfinished jobs were not touched."
+            )

@@ -1,0 +1,33 @@
+--[[
+  requeue: run a scheduled job now instead of at its due time (a staff action).
+
+  KEYS[1] queued      list   ids ready to run (producers push on the left)
+  KEYS[2] scheduled   zset   id -> due time (ms)
+  KEYS[3] wake        list   at most one marker, pushed when work arrives
+  KEYS[4] job prefix  string job hashes are KEYS[4] .. id (same {queue} slot)
+
+  ARGV[1] id  job id
+
+  Only a job Redis holds as 'scheduled' (a run_after or a retry delay) moves;
+  any other state is reported and left alone, so a job already queued or
+  running is never pushed twice.
+
+  Returns: { moved (1 or 0), state found ('' when no hash) }
+]]
+local queued_key = KEYS[1]
+local scheduled_key = KEYS[2]
+local wake_key = KEYS[3]
+local job_prefix = KEYS[4]
+
+local job_id = ARGV[1]
+local job_key = job_prefix .. job_id
+local state = redis.call('HGET', job_key, 'state') or ''
+if state ~= 'scheduled' or redis.call('ZREM', scheduled_key, job_id) == 0 then
+  return { 0, state }
+end
+redis.call('HSET', job_key, 'state', 'queued')
+redis.call('LPUSH', queued_key, job_id)
+if redis.call('LLEN', wake_key) == 0 then
+  redis.call('RPUSH', wake_key, '1')
+end
+return { 1, state }

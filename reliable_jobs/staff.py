@@ -1,0 +1,174 @@
+"""Staff actions on one job: retry, cancel, requeue (the admin calls these).
+
+Each action runs in one database transaction that first locks the job's row,
+then acts in Redis through the broker (an atomic script), then mirrors what
+Redis did onto the row. Redis decides whether the action applies (the row
+may lag behind it by a batch), and an action that cannot apply changes
+nothing and says why: the returned :class:`Outcome` is a whole sentence an
+admin message can show as it is.
+
+The row lock orders the action before any worker write about the attempt it
+lets run. If Redis acted but the commit then fails, the job still runs and
+the worker's own mirror writes bring the row up to date.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from django.db import transaction
+from django.utils import timezone
+
+from . import mirror, payload
+from .broker import NewJob
+from .models import Job, JobState
+from .tasks import discover, lookup
+
+if TYPE_CHECKING:
+    from .backend import ReliableJobsBackend
+
+#: Largest payload a rebuild may write: the row was accepted when it was
+#: enqueued, so a later, smaller MAX_PAYLOAD_BYTES must not strand it.
+REBUILD_MAX_BYTES = 10 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What an action did to one job, or why it did nothing."""
+
+    job_id: str
+    done: bool
+    message: str
+
+
+def retry(backend: ReliableJobsBackend, job_id: Any) -> Outcome:
+    """Queue a dead job again with a fresh attempt budget, keeping its history.
+
+    Attempt numbers keep counting (they are fencing tokens): the budget
+    becomes attempts spent + the task's ``max_attempts``. A dead job whose
+    hash Redis no longer holds (Redis restarted empty) is rebuilt from the
+    row, as reconcile rebuilds lost jobs.
+    """
+    database = backend.config.DATABASE
+    with transaction.atomic(using=database):
+        job = mirror.lock_job(database, job_id)
+        if job is None:
+            return _gone(job_id)
+        jid = str(job.pk)
+        if job.state != JobState.DEAD:
+            return Outcome(jid, False, f"Job {jid} is {job.state}, not dead: it was not retried.")
+        extra = fresh_budget(backend, job)
+        held = backend.broker.held_states(job.queue, [jid]).get(jid)
+        if held is None:
+            attempts = job.attempts
+            if not backend.broker.enqueue(job.queue,
+                                          [_rebuilt(job, max_attempts=attempts + extra)]):
+                return _redis_moved(jid, "retried")
+        elif held["state"] == JobState.DEAD:
+            attempts = max(job.attempts, int(held["attempts"]))
+            if not backend.broker.revive(job.queue, jid, extra_attempts=extra):
+                return _redis_moved(jid, "retried")
+        else:
+            return Outcome(jid, False, f"Job {jid} is dead in the database but "
+                           f"{held['state']} in Redis, which is ahead: it was not retried.")
+        mirror.mark_queued_again(database, jid, max_attempts=attempts + extra)
+    return Outcome(jid, True, f"Job {jid} is queued again with {extra} more "
+                   f"attempt{'s' if extra != 1 else ''} (attempts {attempts + 1} to "
+                   f"{attempts + extra}).")
+
+
+def cancel(backend: ReliableJobsBackend, job_id: Any) -> Outcome:
+    """Take a job that has not started off its list, so it never runs.
+
+    Redis decides: ``cancel.lua`` removes only a queued or scheduled job, so
+    a job a worker already claimed is never dropped silently, and a job
+    Redis does not hold (its push on the way, or lost and soon rebuilt) is
+    left for the caller to try again.
+    """
+    database = backend.config.DATABASE
+    with transaction.atomic(using=database):
+        job = mirror.lock_job(database, job_id)
+        if job is None:
+            return _gone(job_id)
+        jid = str(job.pk)
+        if job.state in mirror.FINISHED_STATES:
+            return Outcome(jid, False, f"Job {jid} has finished ({job.state}): there is "
+                           "nothing to cancel.")
+        cancelled, found = backend.broker.cancel(job.queue, jid)
+        if not cancelled:
+            if found == JobState.RUNNING:
+                return Outcome(jid, False, f"Job {jid} is running: a job that has started is "
+                               "not cancelled; it was left to finish.")
+            if not found:
+                return Outcome(jid, False, f"Job {jid} is not in Redis yet (its push is on "
+                               "the way, or the recovery sweep is rebuilding it): it was not "
+                               "cancelled; try again in a minute.")
+            return Outcome(jid, False, f"Job {jid} is {found} in Redis: it was not cancelled.")
+        mirror.mark_cancelled(database, jid)
+    return Outcome(jid, True, f"Job {jid} was cancelled ({found}, taken off Redis): it will "
+                   "not run.")
+
+
+def requeue(backend: ReliableJobsBackend, job_id: Any) -> Outcome:
+    """Run a job now: a scheduled job stops waiting, a cancelled one is queued again.
+
+    A cancelled job gets back the attempts it had left (a fresh budget if it
+    had none). Dead jobs are for :func:`retry`; queued and running jobs need
+    nothing.
+    """
+    database = backend.config.DATABASE
+    with transaction.atomic(using=database):
+        job = mirror.lock_job(database, job_id)
+        if job is None:
+            return _gone(job_id)
+        jid = str(job.pk)
+        future = job.run_after is not None and job.run_after > timezone.now()
+        if job.state == JobState.CANCELLED:
+            budget = (job.max_attempts if job.max_attempts > job.attempts
+                      else job.attempts + fresh_budget(backend, job))
+            if not backend.broker.enqueue(job.queue, [_rebuilt(job, max_attempts=budget)]):
+                return _redis_moved(jid, "requeued")
+            mirror.mark_queued_again(database, jid, max_attempts=budget, clear_run_after=future)
+            return Outcome(jid, True, f"Job {jid} was cancelled and is queued again "
+                           f"({budget - job.attempts} attempts left).")
+        if job.state == JobState.DEAD:
+            return Outcome(jid, False, f"Job {jid} is dead: use the retry action, which "
+                           "gives it a fresh attempt budget.")
+        if job.state == JobState.SUCCEEDED:
+            return Outcome(jid, False, f"Job {jid} succeeded: it was not requeued.")
+        moved, found = backend.broker.requeue(job.queue, jid)
+        if not moved:
+            shown = found or "not in Redis yet"
+            return Outcome(jid, False, f"Job {jid} is {shown}, not scheduled: only a waiting "
+                           "job can be run now; it was not requeued.")
+        mirror.mark_queued_again(database, jid, max_attempts=job.max_attempts,
+                                 clear_run_after=future)
+    return Outcome(jid, True, f"Job {jid} was scheduled and is queued now.")
+
+
+def fresh_budget(backend: ReliableJobsBackend, job: Job) -> int:
+    """The attempts a retry adds: the task's ``max_attempts``, else the backend's."""
+    task = lookup(job.task_path)
+    if task is None:
+        discover()  # the admin process may not have imported the tasks modules yet
+        task = lookup(job.task_path)
+    if task is None:
+        return backend.config.MAX_ATTEMPTS
+    return int(backend.task_option(task, "max_attempts"))
+
+
+def _rebuilt(job: Job, *, max_attempts: int) -> NewJob:
+    """The Redis job for a row, due now, attempts kept (as reconcile rebuilds a lost job)."""
+    text = payload.encode(job.task_path, tuple(job.args), dict(job.kwargs),
+                          max_bytes=REBUILD_MAX_BYTES)
+    return NewJob(str(job.pk), text, max_attempts, due_ms=0, attempts=job.attempts)
+
+
+def _gone(job_id: Any) -> Outcome:
+    return Outcome(str(job_id), False, f"Job {job_id} no longer exists (pruned?).")
+
+
+def _redis_moved(jid: str, verb: str) -> Outcome:
+    return Outcome(jid, False, f"Job {jid} changed in Redis meanwhile: it was not {verb}; "
+                   "reload and try again.")
