@@ -163,7 +163,7 @@ def workers(backend: ReliableJobsBackend) -> list[WorkerLine]:
         lines.append(WorkerLine(
             id=beat.id, host=str(info.get("host", "")),
             pid=info.get("pid") if isinstance(info.get("pid"), int) else None,
-            queues=queues, jobs=len(info.get("jobs") or []),
+            queues=queues, jobs=int(info.get("in_hand", len(info.get("jobs") or []))),
             since=_from_epoch_s(started) if isinstance(started, int | float) else None,
             last_beat=_from_epoch_s(beat.beat_ms / 1000),
         ))

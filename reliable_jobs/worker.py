@@ -472,6 +472,7 @@ class Worker:
         info = {"id": self.worker_id, "host": socket.gethostname(), "pid": os.getpid(),
                 "queues": self.queues, "concurrency": self.concurrency,
                 "jobs": [f"{q}:{j}" for q, j in list(self._in_hand)[:50]],
+                "in_hand": len(self._in_hand),
                 "started": self._started_at, "claimed": self._claimed_total,
                 "finished": self._finished_total}
         try:
