@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
+from redis.cluster import RedisCluster
 from redis.commands.core import Script
 
 from . import scripts
-from .keys import QueueKeys, worker_key, workers_index
+from .keys import QueueKeys, wake_marker, worker_key, workers_index
 
 #: Seconds a client waits for a reply before giving up on a dead connection.
 #: Blocking waits use their own client whose timeout exceeds the block time.
@@ -85,20 +86,32 @@ class QueueCounts:
     dead: int
 
 
-def connect(url: str, *, socket_timeout: float | None = SOCKET_TIMEOUT_S) -> redis.Redis:
+#: URL schemes that mean Redis Cluster (or a Valkey cluster): any one node's
+#: address; the client discovers the others.
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+
+
+def is_cluster_url(url: str) -> bool:
+    return url.split("://", 1)[0] in CLUSTER_SCHEMES
+
+
+def connect(url: str, *, socket_timeout: float | None = SOCKET_TIMEOUT_S) -> Any:
     """Open a client for ``url`` that decodes replies to ``str``.
 
-    Connections are named ``reliable_jobs:<pid>`` so ``CLIENT LIST`` shows
-    which process holds which connection.
+    ``redis+cluster://host:port`` (or ``rediss+cluster://``) opens a
+    ``RedisCluster`` client instead. Connections are named
+    ``reliable_jobs:<pid>`` so ``CLIENT LIST`` shows which process holds which.
     """
-    return redis.Redis.from_url(
-        url,
-        decode_responses=True,
-        socket_timeout=socket_timeout,
-        socket_connect_timeout=5.0,
-        health_check_interval=30,
-        client_name=f"reliable_jobs:{os.getpid()}",
-    )
+    options: dict[str, Any] = {
+        "decode_responses": True,
+        "socket_timeout": socket_timeout,
+        "socket_connect_timeout": 5.0,
+        "client_name": f"reliable_jobs:{os.getpid()}",
+    }
+    scheme, rest = url.split("://", 1)
+    if scheme in CLUSTER_SCHEMES:
+        return RedisCluster.from_url(f"{CLUSTER_SCHEMES[scheme]}://{rest}", **options)
+    return redis.Redis.from_url(url, health_check_interval=30, **options)
 
 
 class Broker:
@@ -108,6 +121,8 @@ class Broker:
         self.url = url
         self.prefix = prefix
         self.client = connect(url)
+        #: On a cluster, multi-queue waits use markers in one shared slot.
+        self.cluster = is_cluster_url(url)
         self._keys: dict[str, QueueKeys] = {}
         self._scripts: dict[str, Script] = {
             name: self.client.register_script(scripts.source(name))
@@ -124,6 +139,17 @@ class Broker:
     def _run(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
         return self._scripts[name](keys=keys, args=args)
 
+    def _wake(self, queue: str, ready: object) -> None:
+        """On a cluster, signal waiting workers that ``queue`` may have work.
+
+        Off a cluster the scripts push their in-slot marker themselves; on one
+        the marker must live in the shared wake slot, which a script running
+        in the queue's slot cannot touch. A lost signal (the process dies
+        in between) only delays an idle worker until its next timed wait.
+        """
+        if self.cluster and ready:
+            self._run("wake", (wake_marker(self.prefix, queue),), ())
+
     def close(self) -> None:
         self.client.close()
         if self._blocking is not None:
@@ -139,7 +165,9 @@ class Broker:
             args += (job.id, job.payload, job.max_attempts, job.due_ms, job.attempts)
         if not args:
             return 0
-        return int(self._run("enqueue", (k.queued, k.scheduled, k.wake, k.job_prefix), args))
+        written = int(self._run("enqueue", (k.queued, k.scheduled, k.wake, k.job_prefix), args))
+        self._wake(queue, written)
+        return written
 
     # -- workers ---------------------------------------------------------
 
@@ -157,14 +185,12 @@ class Broker:
             k = self.keys(queues[0])
             moved = client.blmove(k.queued, k.processing, timeout_s, "RIGHT", "LEFT")
             return (queues[0], moved) if moved is not None else None
-        reply = client.blpop([self.keys(q).wake for q in queues], timeout=timeout_s)
+        markers = {(wake_marker(self.prefix, q) if self.cluster else self.keys(q).wake): q
+                   for q in queues}
+        reply = client.blpop(list(markers), timeout=timeout_s)
         if reply is None:
             return None
-        woken = reply[0]
-        for queue in queues:
-            if self.keys(queue).wake == woken:
-                return queue, None
-        return None
+        return markers[reply[0]], None
 
     def _blocking_client(self) -> redis.Redis:
         if self._blocking is None:
@@ -189,6 +215,7 @@ class Broker:
             for i in range(0, len(jobs_flat), 4)
         ]
         dead = [(dead_flat[i], int(dead_flat[i + 1])) for i in range(0, len(dead_flat), 2)]
+        self._wake(queue, int(remaining))  # work left behind: wake the next idle worker
         return ClaimResult(jobs, dead, list(garbage), int(remaining))
 
     def start(self, queue: str, held: Sequence[tuple[str, int]]) -> list[bool]:
@@ -214,7 +241,10 @@ class Broker:
         k = self.keys(queue)
         args = [x for entry in failed for x in entry]
         keys = (k.queued, k.processing, k.leases, k.scheduled, k.dead, k.wake, k.job_prefix)
-        return [bool(r) for r in self._run("nack", keys, args)]
+        applied = [bool(r) for r in self._run("nack", keys, args)]
+        self._wake(queue, any(ok and entry[2] == 0 for ok, entry in zip(applied, failed,
+                                                                            strict=True)))
+        return applied
 
     def extend(self, queue: str, held: Sequence[tuple[str, int]], *, lease_ms: int) -> list[bool]:
         """Renew leases of held attempts; False where the attempt was lost."""
@@ -232,7 +262,9 @@ class Broker:
         k = self.keys(queue)
         args = [x for job_id, attempt, started in held for x in (job_id, attempt, int(started))]
         keys = (k.queued, k.processing, k.leases, k.wake, k.job_prefix)
-        return [bool(r) for r in self._run("release", keys, args)]
+        released = [bool(r) for r in self._run("release", keys, args)]
+        self._wake(queue, any(released))
+        return released
 
     # -- the sweep -------------------------------------------------------
 
@@ -249,12 +281,16 @@ class Broker:
                          max_attempts=int(outcomes_flat[i + 2]))
             for i in range(0, len(outcomes_flat), 4)
         ]
+        self._wake(queue, any(o.kind in ("expired", "unstarted", "orphan") for o in outcomes))
         return RecoverResult(outcomes, int(stamped))
 
     def promote(self, queue: str, *, limit: int = SWEEP_BATCH) -> int:
         """Move due scheduled jobs onto queued."""
         k = self.keys(queue)
-        return int(self._run("promote", (k.queued, k.scheduled, k.wake, k.job_prefix), (limit,)))
+        promoted = int(self._run("promote", (k.queued, k.scheduled, k.wake, k.job_prefix),
+                                 (limit,)))
+        self._wake(queue, promoted)
+        return promoted
 
     def held_states(self, queue: str, job_ids: Sequence[str]) -> dict[str, dict[str, str]]:
         """Return the state, attempts and last_error of each job Redis holds."""
@@ -281,7 +317,9 @@ class Broker:
         """Queue a dead job again with ``extra_attempts`` more attempts."""
         k = self.keys(queue)
         keys = (k.queued, k.dead, k.wake, k.job_prefix)
-        return bool(self._run("revive", keys, (job_id, extra_attempts)))
+        revived = bool(self._run("revive", keys, (job_id, extra_attempts)))
+        self._wake(queue, revived)
+        return revived
 
     # -- observability ---------------------------------------------------
 
@@ -330,6 +368,7 @@ class Broker:
         k = self.keys(queue)
         moved, state = self._run("requeue", (k.queued, k.scheduled, k.wake, k.job_prefix),
                                  (job_id,))
+        self._wake(queue, moved)
         return bool(moved), state
 
     def purge(self, queue: str, job_ids: Sequence[str]) -> int:

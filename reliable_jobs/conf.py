@@ -8,14 +8,18 @@ backend raises ``ImproperlyConfigured`` only when used with bad options.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, fields
+from difflib import get_close_matches
 from typing import Any
 from urllib.parse import urlsplit
+
+from django.views import debug
 
 from .keys import PREFIX_RE
 
 #: Redis URL schemes accepted by ``redis.Redis.from_url``.
-REDIS_SCHEMES = ("redis", "rediss", "unix")
+REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,8 +97,10 @@ def parse(raw: Any) -> BackendOptions:
     values: dict[str, Any] = {}
     for key, value in raw.items():
         if key not in OPTION_NAMES:
+            close = get_close_matches(str(key).upper(), OPTION_NAMES, n=1)
+            known = f"did you mean {close[0]!r}? Known" if close else "known"
             problems.append(
-                ("reliable_jobs.E001", f"Unknown OPTIONS key {key!r}; known keys are "
+                ("reliable_jobs.E001", f"Unknown OPTIONS key {key!r}; {known} keys are "
                  f"{', '.join(OPTION_NAMES)}.")
             )
             continue
@@ -111,6 +117,10 @@ def parse(raw: Any) -> BackendOptions:
                 )
                 continue
         values[key] = value
+    if "REDIS_URL" in values and values["REDIS_URL"] in (None, ""):
+        # An environment variable that is not set: the default is used, and
+        # the system check warns (W002) instead of failing at import.
+        del values["REDIS_URL"]
     url = values.get("REDIS_URL", DEFAULTS.REDIS_URL)
     url_problem = redis_url_problem(url)
     if url_problem:
@@ -156,7 +166,8 @@ def redis_url_problem(url: object) -> str:
     the URL with its password masked: check output ends up in CI logs.
     """
     if not isinstance(url, str):
-        return f"OPTIONS['REDIS_URL'] must be a redis://, rediss:// or unix:// URL, not {url!r}."
+        return (f"OPTIONS['REDIS_URL'] must be a redis://, rediss://, unix:// or "
+                f"redis+cluster:// URL, not {url!r}.")
     try:
         parts = urlsplit(url)
         parts.port  # noqa: B018 -- raises ValueError for a port that is not 0 to 65535
@@ -165,22 +176,49 @@ def redis_url_problem(url: object) -> str:
         return (f"OPTIONS['REDIS_URL'] {mask_password(url)!r} cannot be parsed: check its "
                 "host, its port (a number from 0 to 65535) and its brackets.")
     if parts.scheme not in REDIS_SCHEMES:
-        return (f"OPTIONS['REDIS_URL'] must be a redis://, rediss:// or unix:// URL, not "
-                f"{mask_password(url)!r}.")
+        return (f"OPTIONS['REDIS_URL'] must be a redis://, rediss://, unix:// or "
+                f"redis+cluster:// URL, not {mask_password(url)!r}.")
     return ""
 
 
 def mask_password(url: str) -> str:
-    """Return ``url`` with any password replaced by ``***`` (for logs and messages).
+    """Return ``url`` with every password replaced by ``***`` (for logs and messages).
 
-    Works on URLs ``urlsplit`` refuses too (a bad port, an unclosed IPv6
-    bracket), since those are exactly the ones an error message shows. Up to
-    the last ``@`` is user info, so an unescaped ``/`` or ``@`` in a password
-    is masked too (an ``@`` in the query only masks more than needed).
+    Masks the password of the user info (``redis://user:***@host``) and the
+    value of any query parameter whose name holds "password" (redis-py reads
+    ``?password=`` and ``?ssl_password=`` from the URL too). Works on URLs
+    ``urlsplit`` refuses (a bad port, an unclosed IPv6 bracket), since those
+    are exactly the ones an error message shows. Up to the last ``@`` before
+    the query is user info, so an unescaped ``/`` or ``@`` in a password is
+    masked too.
     """
     scheme, sep, rest = url.partition("://")
-    userinfo, at, host_and_rest = rest.rpartition("@")
-    if not sep or not at or ":" not in userinfo:
+    if not sep:
         return url
-    user = userinfo.split(":", 1)[0]
-    return f"{scheme}://{user}:***@{host_and_rest}"
+    userinfo, at, host_and_rest = rest.rpartition("@")
+    if at and ":" in userinfo:
+        rest = f"{userinfo.split(':', 1)[0]}:***@{host_and_rest}"
+    rest, question, query = rest.partition("?")
+    if question:
+        query = _PASSWORD_PARAM.sub(r"\1***", query)
+    return f"{scheme}://{rest}{question}{query}"
+
+
+#: A query parameter holding a password, up to its value's end.
+_PASSWORD_PARAM = re.compile(r"((?:^|[&;])[^=&;]*password[^=&;]*=)[^&;#]*", re.IGNORECASE)
+
+
+class SafeExceptionReporterFilter(debug.SafeExceptionReporterFilter):
+    """Django's error-report filter, plus: passwords inside URLs are masked.
+
+    Django hides settings whose *name* looks secret (``PASSWORD``, ``KEY``,
+    ...), but ``TASKS['default']['OPTIONS']['REDIS_URL']`` carries its
+    password inside the *value*, so the debug page and the error e-mails to
+    ``ADMINS`` would show it. Set ``DEFAULT_EXCEPTION_REPORTER_FILTER =
+    "reliable_jobs.conf.SafeExceptionReporterFilter"`` to mask it (and any
+    other URL's password).
+    """
+
+    def cleanse_setting(self, key: Any, value: Any) -> Any:
+        cleansed = super().cleanse_setting(key, value)
+        return mask_password(cleansed) if isinstance(cleansed, str) else cleansed

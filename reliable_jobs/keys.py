@@ -87,3 +87,12 @@ def worker_key(prefix: str, worker_id: str) -> str:
 def workers_index(prefix: str) -> str:
     """Sorted set: worker id -> last heartbeat (ms), for listing live workers."""
     return f"{prefix}:workers"
+
+
+def wake_marker(prefix: str, queue: str) -> str:
+    """A queue's wake marker on Redis Cluster: every queue's shares one slot.
+
+    One ``BLPOP`` can then wait on all of a worker's queues, which a cluster
+    refuses across slots (see scripts/wake.lua).
+    """
+    return f"{prefix}:{{wake}}:{queue}"

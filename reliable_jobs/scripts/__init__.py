@@ -24,6 +24,7 @@ SCRIPT_NAMES = (
     "requeue",
     "revive",
     "start",
+    "wake",
 )
 
 

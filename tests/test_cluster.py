@@ -1,0 +1,179 @@
+"""Redis Cluster: a real 3-master cluster on loopback, the core paths and crashes on it.
+
+Every key of a queue carries its ``{queue}`` hash tag, so each script runs in
+one slot; queues here are chosen to live on different masters.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from django.tasks import task_backends
+from redis.crc import key_slot
+
+from reliable_jobs.broker import Broker, NewJob
+from reliable_jobs.keys import QueueKeys
+from reliable_jobs.models import Job, JobState
+from testproject.demo import tasks as demo
+
+from .conftest import Processes, wait_until
+from .redis_cluster import RedisClusterHarness
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
+QUEUES = ["default", "emails"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterHarness]:
+    harness = RedisClusterHarness(tmp_path_factory.mktemp("cluster"), masters=3)
+    harness.start()
+    try:
+        yield harness
+    finally:
+        harness.stop()
+
+
+@pytest.fixture
+def cluster_env(cluster: RedisClusterHarness, rj_settings: Any) -> dict[str, str]:
+    """Backend settings pointing at the cluster, emptied before the test."""
+    cluster.client().flushall()
+    return rj_settings(REDIS_URL=cluster.url, queues=QUEUES)
+
+
+def finished(ids: list[str]) -> bool:
+    return Job.objects.filter(pk__in=ids, state__in=[JobState.SUCCEEDED, JobState.DEAD]
+                              ).count() == len(ids)
+
+
+def test_the_two_queues_live_on_different_masters(cluster: RedisClusterHarness) -> None:
+    # Given the queues' hash tags
+    # Then each queue's keys share one slot, and the two slots sit on different masters
+    for queue in QUEUES:
+        keys = QueueKeys("rj", queue)
+        slots = {key_slot(k.encode()) for k in (keys.queued, keys.processing, keys.leases,
+                                                 keys.scheduled, keys.dead, keys.job("x"))}
+        assert len(slots) == 1
+    assert cluster.master_port_of(QueueKeys("rj", "default").queued) != cluster.master_port_of(
+        QueueKeys("rj", "emails").queued)
+
+
+def test_broker_scripts_and_multi_queue_wait_on_the_cluster(
+    cluster: RedisClusterHarness, cluster_env: dict[str, str]
+) -> None:
+    # Given a broker on the cluster
+    broker = Broker(cluster.url, "rj")
+    try:
+        # When a job is enqueued on each queue
+        assert broker.enqueue("default", [NewJob("a", '{"task":"x","args":[],"kwargs":{}}', 3)])
+        assert broker.enqueue("emails", [NewJob("b", '{"task":"x","args":[],"kwargs":{}}', 3)])
+
+        # Then one BLPOP over both queues' markers (one slot) wakes for each
+        woken = {broker.wait(QUEUES, timeout_s=2)[0] for _ in range(2)}  # type: ignore[index]
+        assert woken == set(QUEUES)
+        # and the fenced scripts work as off a cluster
+        claimed = broker.claim("emails", count=5, lease_ms=60_000).jobs
+        assert [(j.id, j.attempt) for j in claimed] == [("b", 1)]
+        assert broker.start("emails", [("b", 1)]) == [True]
+        assert broker.ack("emails", [("b", 0)]) == [False]
+        assert broker.ack("emails", [("b", 1)]) == [True]
+        assert broker.counts("emails").running == 0
+        assert broker.server_time_ms() > 0
+    finally:
+        broker.close()
+
+
+def test_worker_serving_two_queues_runs_jobs_on_the_cluster(
+    cluster_env: dict[str, str], processes: Processes
+) -> None:
+    # Given an idle worker serving both queues (one blocking wait for both)
+    worker = processes.worker(cluster_env, "--concurrency", "2")
+    wait_until(lambda: " serving " in processes.log(worker), message="worker start")
+
+    # When jobs arrive on each queue
+    results = [demo.add.using(queue_name=q).enqueue(i, 100) for i in range(5) for q in QUEUES]
+
+    # Then every one runs
+    wait_until(lambda: finished([r.id for r in results]), timeout=30, message="all jobs")
+    for r in results:
+        assert demo.add.get_result(r.id).status == "SUCCESSFUL"
+    assert processes.stop(worker) == 0
+
+
+@pytest.mark.crash
+def test_sigkill_mid_job_on_the_cluster_runs_again(
+    cluster_env: dict[str, str], processes: Processes
+) -> None:
+    # Given a worker killed in the middle of a job
+    result = demo.sleep_for.enqueue(0.3)
+    victim = processes.worker(cluster_env, extra_env={"RJ_CRASH_AT": "in_task"})
+    assert victim.wait(timeout=30) == 86
+
+    # When a fresh worker takes over
+    survivor = processes.worker(cluster_env)
+    wait_until(lambda: finished([result.id]), timeout=30, message="the job to be recovered")
+
+    # Then it ran again as attempt 2
+    final = demo.sleep_for.get_result(result.id)
+    assert (final.status, final.attempts) == ("SUCCESSFUL", 2)
+    assert processes.stop(survivor) == 0
+
+
+@pytest.mark.crash
+def test_cluster_flushed_then_recoverjobs_rebuilds_every_job(
+    cluster: RedisClusterHarness, cluster_env: dict[str, str], processes: Processes
+) -> None:
+    # Given jobs on both queues, then every master loses its data
+    results = [demo.add.using(queue_name=q).enqueue(i, 1) for i in range(10) for q in QUEUES]
+    cluster.client().flushall()
+    Job.objects.update(updated_at=Job.objects.first().updated_at.replace(year=2000))
+
+    # When the sweep runs once, then a burst worker
+    sweep = processes.manage("recoverjobs", env=cluster_env)
+    assert sweep.wait(timeout=60) == 0, processes.log(sweep)
+    assert "pushed 20" in processes.log(sweep)
+    worker = processes.worker(cluster_env, "--burst")
+    assert worker.wait(timeout=60) == 0, processes.log(worker)
+
+    # Then every job ran
+    assert all(demo.add.get_result(r.id).status == "SUCCESSFUL" for r in results)
+
+
+@pytest.mark.crash
+def test_failover_of_a_master_loses_no_job(
+    rj_settings: Any, processes: Processes, tmp_path: Path
+) -> None:
+    # Given a cluster with a replica per master, and a worker draining jobs
+    harness = RedisClusterHarness(tmp_path / "failover", masters=3, replicas=1)
+    harness.start()
+    try:
+        env = rj_settings(REDIS_URL=harness.url, queues=QUEUES)
+        results = [demo.sleep_for.using(queue_name=q).enqueue(0.01)
+                   for _ in range(150) for q in QUEUES]
+        ids = [r.id for r in results]
+        worker = processes.worker(env, "--concurrency", "2")
+        sweep = processes.manage("recoverjobs", "--interval", "0.5", env=env)
+        wait_until(lambda: Job.objects.filter(state=JobState.SUCCEEDED).count() >= 20,
+                   timeout=30, message="the first jobs to finish")
+
+        # When the master that holds the "default" queue is SIGKILLed mid-run
+        victim_port = harness.master_port_of(QueueKeys("rj", "default").queued)
+        harness.kill(victim_port)
+        time.sleep(0.5)
+        harness.wait_ok(timeout=30)
+
+        # Then its replica takes over, the worker reconnects, and whatever the
+        # asynchronous replication dropped is pushed again from the database
+        wait_until(lambda: finished(ids), timeout=90, message="every job to finish")
+        assert Job.objects.filter(pk__in=ids, state=JobState.SUCCEEDED).count() == len(ids)
+        for proc in (worker, sweep):
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 0, processes.log(proc)
+    finally:
+        harness.stop()
+    assert isinstance(task_backends["default"].broker.client, redis.RedisCluster)
