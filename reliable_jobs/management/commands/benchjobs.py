@@ -8,7 +8,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.tasks import DEFAULT_TASK_BACKEND_ALIAS
 
-from reliable_jobs.bench import Figure, run_once
+from reliable_jobs.bench import Figure, measure_at_length, measure_latency, percentile, run_once
 from reliable_jobs.management.commands.runworker import get_backend
 
 
@@ -31,6 +31,13 @@ class Command(BaseCommand):
         parser.add_argument("--prefetch", type=int, default=None,
                             help="Jobs claimed beyond those running, so one claim fetches a "
                                  "batch (default: OPTIONS['PREFETCH']).")
+        parser.add_argument("--latency-samples", type=int, default=1_000,
+                            help="Jobs for the enqueue-to-start latency, one at a time "
+                                 "(0 to skip; default: %(default)r).")
+        parser.add_argument("--lengths", default="1000,10000,100000",
+                            help="Queue lengths at which to measure the drain rate of "
+                                 "2,000 jobs and Redis memory per job, comma-separated "
+                                 "('' to skip; default: %(default)r).")
         parser.add_argument("--queue", default=None,
                             help="Queue to use (default: the backend's first queue).")
         parser.add_argument("--backend", default=DEFAULT_TASK_BACKEND_ALIAS,
@@ -63,3 +70,16 @@ class Command(BaseCommand):
                           f"{options['concurrency']} thread(s), median of {options['runs']}:")
         for name, values in rates.items():
             self.stdout.write(Figure(name, values).row())
+        if options["latency_samples"] > 0:
+            latencies = measure_latency(backend, queue, samples=options["latency_samples"])
+            self.stdout.write(
+                f"\nenqueue-to-start latency over {len(latencies):,} jobs (idle worker): "
+                f"p50 {percentile(latencies, 0.5):.2f} ms, p99 {percentile(latencies, 0.99):.2f} "
+                f"ms, max {max(latencies):.2f} ms")
+        lengths = [int(x) for x in options["lengths"].split(",") if x.strip()]
+        if lengths:
+            self.stdout.write("\nqueue length   drain of 2,000 jobs   Redis bytes per waiting job")
+        for length in lengths:
+            rate, per_job = measure_at_length(backend, queue, waiting=length, window=2_000,
+                                              prefetch=options["prefetch"])
+            self.stdout.write(f"{length:>12,}   {rate:>12,.0f} jobs/s   {per_job:>12,.0f}")
