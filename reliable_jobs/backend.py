@@ -8,7 +8,9 @@ the mirror. Running jobs is the worker's business (``worker.py``).
 from __future__ import annotations
 
 import logging
+import random
 import uuid
+from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import fields
 from datetime import datetime
@@ -101,10 +103,12 @@ class ReliableJobsBackend(BaseTaskBackend):
                               max_bytes=self.config.MAX_PAYLOAD_BYTES)
         now = timezone.now()
         job = mirror_job(self.alias, task, args, kwargs,
-                         max_attempts=self.task_option(task, "max_attempts"), now=now)
+                         max_attempts=self.task_option(task, "max_attempts"), now=now,
+                         shard=self._pick_shard(task.queue_name))
         mirror.insert_job(self.database, job)
         new_job = NewJob(str(job.id), text, job.max_attempts, due_ms=_epoch_ms(task.run_after))
-        transaction.on_commit(lambda: self._push(task.queue_name, [new_job]), using=self.database)
+        physical = job.physical_queue
+        transaction.on_commit(lambda: self._push(physical, [new_job]), using=self.database)
         result = self._result(job, task)
         task_enqueued.send(type(self), task_result=result)
         return result
@@ -119,25 +123,33 @@ class ReliableJobsBackend(BaseTaskBackend):
         max_attempts = self.task_option(task, "max_attempts")
         due_ms = _epoch_ms(task.run_after)
         jobs: list[Any] = []
-        new_jobs: list[NewJob] = []
+        by_shard: dict[str, list[NewJob]] = defaultdict(list)
         for args, kwargs in calls:
             text = payload.encode(task.module_path, tuple(args), dict(kwargs),
                                   max_bytes=self.config.MAX_PAYLOAD_BYTES)
-            job = mirror_job(self.alias, task, args, kwargs, max_attempts=max_attempts, now=now)
+            job = mirror_job(self.alias, task, args, kwargs, max_attempts=max_attempts, now=now,
+                             shard=self._pick_shard(task.queue_name))
             jobs.append(job)
-            new_jobs.append(NewJob(str(job.id), text, max_attempts, due_ms=due_ms))
+            by_shard[job.physical_queue].append(
+                NewJob(str(job.id), text, max_attempts, due_ms=due_ms))
         with transaction.atomic(using=self.database):
             mirror.insert_jobs(self.database, jobs)
 
             def push() -> None:
-                for start in range(0, len(new_jobs), 1000):
-                    self._push(task.queue_name, new_jobs[start:start + 1000])
+                for physical, new_jobs in by_shard.items():
+                    for start in range(0, len(new_jobs), 1000):
+                        self._push(physical, new_jobs[start:start + 1000])
 
             transaction.on_commit(push, using=self.database)
         results = [self._result(job, task) for job in jobs]
         for result in results:
             task_enqueued.send(type(self), task_result=result)
         return results
+
+    def _pick_shard(self, queue: str) -> int:
+        """A random shard of ``queue``: producers spread jobs, workers drain all shards."""
+        count = self.config.SHARDS.get(queue, 1)
+        return random.randrange(count) if count > 1 else 0
 
     def _push(self, queue: str, jobs: list[NewJob]) -> None:
         """Push committed jobs; if Redis is down the sweep's reconcile pushes them (G5)."""
@@ -223,13 +235,14 @@ class ReliableJobsBackend(BaseTaskBackend):
 
 
 def mirror_job(alias: str, task: Task, args: Sequence[Any], kwargs: dict[str, Any], *,
-               max_attempts: int, now: datetime) -> Any:
+               max_attempts: int, now: datetime, shard: int = 0) -> Any:
     """Build (unsaved) the Job row for one enqueue."""
     from .models import Job, JobState
 
     deferred = task.run_after is not None and task.run_after > now
     return Job(
-        id=uuid.uuid4(), backend=alias, queue=task.queue_name, task_path=task.module_path,
+        id=uuid.uuid4(), backend=alias, queue=task.queue_name, shard=shard,
+        task_path=task.module_path,
         args=list(args), kwargs=dict(kwargs), priority=task.priority,
         state=JobState.SCHEDULED if deferred else JobState.QUEUED,
         max_attempts=max_attempts, run_after=task.run_after, enqueued_at=now, updated_at=now,

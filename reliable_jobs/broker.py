@@ -19,7 +19,14 @@ from redis.cluster import RedisCluster
 from redis.commands.core import Script
 
 from . import scripts
-from .keys import QueueKeys, wake_marker, worker_key, workers_index
+from .keys import (
+    QueueKeys,
+    shard_queue,
+    shards_index,
+    wake_marker,
+    worker_key,
+    workers_index,
+)
 
 #: Seconds a client waits for a reply before giving up on a dead connection.
 #: Blocking waits use their own client whose timeout exceeds the block time.
@@ -129,6 +136,8 @@ class Broker:
             for name in scripts.SCRIPT_NAMES
         }
         self._blocking: redis.Redis | None = None
+        #: Shards this process has recorded in their shards index.
+        self._registered: set[str] = set()
 
     def keys(self, queue: str) -> QueueKeys:
         keys = self._keys.get(queue)
@@ -138,6 +147,18 @@ class Broker:
 
     def _run(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
         return self._scripts[name](keys=keys, args=args)
+
+    def physical_queues(self, queues: Iterable[str], shards: dict[str, int]) -> list[str]:
+        """Every physical queue (shard) of ``queues``: configured, or ever written to."""
+        queues = sorted(queues)
+        with self.client.pipeline(transaction=False) as pipe:
+            for queue in queues:
+                pipe.zrange(shards_index(self.prefix, queue), 0, -1)
+            used = pipe.execute()
+        physical = {shard_queue(q, i) for q in queues for i in range(shards.get(q, 1))}
+        physical |= {shard_queue(q, int(i)) for q, indexes in zip(queues, used, strict=True)
+                     for i in indexes}
+        return sorted(physical)
 
     def _wake(self, queue: str, ready: object) -> None:
         """On a cluster, signal waiting workers that ``queue`` may have work.
@@ -157,8 +178,18 @@ class Broker:
 
     # -- producers -------------------------------------------------------
 
-    def enqueue(self, queue: str, jobs: Iterable[NewJob]) -> int:
-        """Write jobs and make them runnable; existing job hashes are kept."""
+    def enqueue(self, queue: str, jobs: Iterable[NewJob], *, register: bool = False) -> int:
+        """Write jobs and make them runnable; existing job hashes are kept.
+
+        ``queue`` is a physical queue (a shard). A shard other than 0 is
+        recorded in its queue's shards index the first time this process
+        writes to it (every time when ``register``), so workers find and drain
+        it even after SHARDS shrinks.
+        """
+        if "#" in queue and (register or queue not in self._registered):
+            logical, index = queue.split("#", 1)
+            self.client.zadd(shards_index(self.prefix, logical), {index: int(index)})
+            self._registered.add(queue)
         k = self.keys(queue)
         args: list[Any] = []
         for job in jobs:

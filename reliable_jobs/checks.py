@@ -7,7 +7,14 @@ enqueue failing in production. Ids:
   E004 MAX_ATTEMPTS < 1, E005 unusable PREFIX or queue name, E006 lease not
   longer than its renewal interval, E007 reconcile grace shorter than a
   lease, E008 DATABASE alias unknown, E009 app not in INSTALLED_APPS.
+- E010 a bad OPTIONS['SHARDS'] entry (not 1 to 1024 shards, or a queue not
+  in QUEUES).
 - W001 Redis does not answer (a warning: it may start after the web app).
+- W002 REDIS_URL not set (absent, None or empty: usually an environment
+  variable that is missing), so the default URL is used.
+
+Nothing here runs at import: a missing or unreachable Redis is reported by
+``manage.py check``, never raised while settings or apps load.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from django.apps import apps
 from django.core import checks
 
 from .broker import connect
-from .conf import mask_password
+from .conf import DEFAULTS, mask_password
 from .keys import is_valid_queue_name
 
 # mask_password is imported from here by the worker too.
@@ -45,11 +52,27 @@ def check_backend(backend: ReliableJobsBackend) -> list[checks.CheckMessage]:
                 hint="Use 1 to 100 letters, digits, '.', '_' or '-'.",
                 id="reliable_jobs.E005",
             ))
+    for queue in sorted(set(backend.config.SHARDS) - set(backend.queues)):
+        messages.append(checks.Error(
+            f"{where}: OPTIONS['SHARDS'] names {queue!r}, which is not in QUEUES.",
+            hint="Shard a queue the backend serves, or remove the entry.",
+            id="reliable_jobs.E010",
+        ))
     if not apps.is_installed("reliable_jobs"):
         messages.append(checks.Error(
             f"{where} uses reliable_jobs, but 'reliable_jobs' is not in INSTALLED_APPS.",
             hint="Add 'reliable_jobs' to INSTALLED_APPS so its models and commands exist.",
             id="reliable_jobs.E009",
+        ))
+    options = backend.options
+    if isinstance(options, dict) and options.get("REDIS_URL") in (None, ""):
+        messages.append(checks.Warning(
+            f"{where}: OPTIONS['REDIS_URL'] is not set, so the default "
+            f"{DEFAULTS.REDIS_URL} is used.",
+            hint="Set it from the environment (REDIS_URL=redis://... or rediss://...): a web "
+                 "process and a worker that fall back to different servers never see each "
+                 "other's jobs.",
+            id="reliable_jobs.W002",
         ))
     if not any(m.id == "reliable_jobs.E002" for m in messages):
         messages += _check_reachable(where, backend.config.REDIS_URL)

@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 from django.views import debug
 
-from .keys import PREFIX_RE
+from .keys import MAX_SHARDS, PREFIX_RE, is_valid_queue_name
 
 #: Redis URL schemes accepted by ``redis.Redis.from_url``.
 REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
@@ -57,6 +57,9 @@ class BackendOptions:
     RECONCILE_GRACE_MS: int = 60_000
     #: Largest encoded arguments accepted by enqueue, in bytes.
     MAX_PAYLOAD_BYTES: int = 1024 * 1024
+    #: Shards per queue, e.g. {"emails": 4}: each shard is a queue of its own
+    #: (its own hash tag, so its own cluster slot); unlisted queues have one.
+    SHARDS: dict[str, int] = field(default_factory=dict)
     #: What parse() found wrong, as (check id, message) pairs.
     problems: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
@@ -133,6 +136,16 @@ def parse(raw: Any) -> BackendOptions:
              "use 1 to 100 letters, digits, '.', '_' or '-'.")
         )
         values.pop("PREFIX", None)
+    shards = values.get("SHARDS", {})
+    if not isinstance(shards, dict) or not all(
+        is_valid_queue_name(q) and isinstance(n, int) and not isinstance(n, bool)
+        and 1 <= n <= MAX_SHARDS for q, n in shards.items()
+    ):
+        problems.append(
+            ("reliable_jobs.E010", f"OPTIONS['SHARDS'] must map queue names to a number of "
+             f"shards from 1 to {MAX_SHARDS}, not {shards!r}.")
+        )
+        values.pop("SHARDS", None)
     if not isinstance(values.get("DATABASE", "default"), str):
         problems.append(("reliable_jobs.E003", "OPTIONS['DATABASE'] must be a database alias."))
         values.pop("DATABASE")

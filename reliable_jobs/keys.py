@@ -17,9 +17,36 @@ QUEUE_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,100}")
 PREFIX_RE = QUEUE_NAME_RE
 
 
+#: A physical queue: a queue name, or ``name#i`` for shard i > 0 of a sharded
+#: queue ('#' is not allowed in queue names, so the two never collide).
+PHYSICAL_QUEUE_RE = re.compile(r"[A-Za-z0-9._-]{1,100}(#[1-9][0-9]{0,3})?")
+#: Most shards one queue may be split into.
+MAX_SHARDS = 1024
+
+
 def is_valid_queue_name(name: object) -> bool:
     """Return True when ``name`` can be used inside a key and a hash tag."""
     return isinstance(name, str) and bool(QUEUE_NAME_RE.fullmatch(name))
+
+
+def shard_queue(queue: str, index: int) -> str:
+    """The physical queue of shard ``index``: shard 0 keeps the plain name.
+
+    So an unsharded queue is its own shard 0, and splitting it (or merging
+    shards back) never moves the jobs already waiting: workers drain every
+    shard that was ever used (see shards_index).
+    """
+    return queue if index == 0 else f"{queue}#{index}"
+
+
+def logical_queue(physical: str) -> str:
+    """The queue name a physical queue (a shard) belongs to."""
+    return physical.split("#", 1)[0]
+
+
+def shards_index(prefix: str, queue: str) -> str:
+    """Sorted set of the shard indexes of ``queue`` that were ever written to."""
+    return f"{prefix}:shards:{queue}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +57,7 @@ class QueueKeys:
     queue: str
 
     def __post_init__(self) -> None:
-        if not is_valid_queue_name(self.queue):
+        if not isinstance(self.queue, str) or not PHYSICAL_QUEUE_RE.fullmatch(self.queue):
             raise ValueError(
                 f"Queue name {self.queue!r} is not usable: use 1 to 100 letters, "
                 "digits, '.', '_' or '-'."

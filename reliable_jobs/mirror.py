@@ -20,6 +20,7 @@ from django.db.models import Q
 from django.db.models.functions import Coalesce, Greatest
 from django.utils import timezone
 
+from .keys import shard_queue
 from .models import UNFINISHED_STATES, Attempt, AttemptOutcome, Job, JobState
 
 #: States after which a job never runs again.
@@ -357,7 +358,9 @@ def mark_cancelled(using: str, job_id: Any) -> None:
 
 def lock_prunable(using: str, *, backend: str, state: str, unchanged_since: datetime,
                   limit: int) -> list[tuple[Any, str]]:
-    """Lock up to ``limit`` jobs in finished ``state`` untouched since the cutoff: (id, queue).
+    """Lock up to ``limit`` finished ``state`` jobs unchanged since the cutoff.
+
+    Returns (id, physical queue) pairs.
 
     One state per query, oldest first, so the walk is a range scan of the
     (state, updated_at) index however many rows there are. A finished row's
@@ -371,8 +374,8 @@ def lock_prunable(using: str, *, backend: str, state: str, unchanged_since: date
     rows = (Job.objects.using(using).select_for_update(skip_locked=True)
             .filter(backend=backend, state=state, updated_at__lt=unchanged_since)
             .order_by("updated_at")
-            .values_list("pk", "queue")[:limit])
-    return list(rows)
+            .values_list("pk", "queue", "shard")[:limit])
+    return [(pk, shard_queue(queue, shard)) for pk, queue, shard in rows]
 
 
 def delete_jobs(using: str, job_ids: Sequence[Any]) -> tuple[int, int]:

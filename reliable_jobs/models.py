@@ -13,6 +13,8 @@ from django.db import models
 from django.tasks import TaskResultStatus
 from django.utils.translation import gettext_lazy as _
 
+from .keys import shard_queue
+
 
 class JobState(models.TextChoices):
     SCHEDULED = "scheduled", _("Scheduled")
@@ -61,6 +63,8 @@ class Job(models.Model):
     id = models.UUIDField(_("id"), primary_key=True, default=uuid.uuid4, editable=False)
     backend = models.CharField(_("backend"), max_length=100, default="default")
     queue = models.CharField(_("queue"), max_length=100)
+    #: Which shard of a sharded queue holds the job in Redis (0 otherwise).
+    shard = models.PositiveSmallIntegerField(_("shard"), default=0)
     task_path = models.CharField(_("task"), max_length=300)
     args = models.JSONField(_("args"), default=list)
     kwargs = models.JSONField(_("kwargs"), default=dict)
@@ -99,6 +103,11 @@ class Job(models.Model):
 
     def __str__(self) -> str:
         return f"{self.task_path} ({self.id})"
+
+    @property
+    def physical_queue(self) -> str:
+        """The Redis queue (shard) that holds the job."""
+        return shard_queue(self.queue, self.shard)
 
     @property
     def task_status(self) -> TaskResultStatus:

@@ -59,15 +59,15 @@ def retry(backend: ReliableJobsBackend, job_id: Any) -> Outcome:
         if job.state != JobState.DEAD:
             return Outcome(jid, False, f"Job {jid} is {job.state}, not dead: it was not retried.")
         extra = fresh_budget(backend, job)
-        held = backend.broker.held_states(job.queue, [jid]).get(jid)
+        held = backend.broker.held_states(job.physical_queue, [jid]).get(jid)
         if held is None:
             attempts = job.attempts
-            if not backend.broker.enqueue(job.queue,
+            if not backend.broker.enqueue(job.physical_queue,
                                           [_rebuilt(job, max_attempts=attempts + extra)]):
                 return _redis_moved(jid, "retried")
         elif held["state"] == JobState.DEAD:
             attempts = max(job.attempts, int(held["attempts"]))
-            if not backend.broker.revive(job.queue, jid, extra_attempts=extra):
+            if not backend.broker.revive(job.physical_queue, jid, extra_attempts=extra):
                 return _redis_moved(jid, "retried")
         else:
             return Outcome(jid, False, f"Job {jid} is dead in the database but "
@@ -95,7 +95,7 @@ def cancel(backend: ReliableJobsBackend, job_id: Any) -> Outcome:
         if job.state in mirror.FINISHED_STATES:
             return Outcome(jid, False, f"Job {jid} has finished ({job.state}): there is "
                            "nothing to cancel.")
-        cancelled, found = backend.broker.cancel(job.queue, jid)
+        cancelled, found = backend.broker.cancel(job.physical_queue, jid)
         if not cancelled:
             if found == JobState.RUNNING:
                 return Outcome(jid, False, f"Job {jid} is running: a job that has started is "
@@ -127,7 +127,7 @@ def requeue(backend: ReliableJobsBackend, job_id: Any) -> Outcome:
         if job.state == JobState.CANCELLED:
             budget = (job.max_attempts if job.max_attempts > job.attempts
                       else job.attempts + fresh_budget(backend, job))
-            if not backend.broker.enqueue(job.queue, [_rebuilt(job, max_attempts=budget)]):
+            if not backend.broker.enqueue(job.physical_queue, [_rebuilt(job, max_attempts=budget)]):
                 return _redis_moved(jid, "requeued")
             mirror.mark_queued_again(database, jid, max_attempts=budget, clear_run_after=future)
             return Outcome(jid, True, f"Job {jid} was cancelled and is queued again "
@@ -137,7 +137,7 @@ def requeue(backend: ReliableJobsBackend, job_id: Any) -> Outcome:
                            "gives it a fresh attempt budget.")
         if job.state == JobState.SUCCEEDED:
             return Outcome(jid, False, f"Job {jid} succeeded: it was not requeued.")
-        moved, found = backend.broker.requeue(job.queue, jid)
+        moved, found = backend.broker.requeue(job.physical_queue, jid)
         if not moved:
             shown = found or "not in Redis yet"
             return Outcome(jid, False, f"Job {jid} is {shown}, not scheduled: only a waiting "

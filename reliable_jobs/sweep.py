@@ -59,11 +59,17 @@ class Sweep:
 
     def __init__(self, backend: ReliableJobsBackend, queues: list[str] | None = None) -> None:
         self.backend = backend
+        #: Queue names as configured; each pass covers all their shards.
         self.queues = sorted(queues or backend.queues)
         self._cursor: str | None = None
 
-    def redis_pass(self) -> tuple[SweepReport, list[AttemptRecord]]:
-        """Recover and promote every queue; return the mirror records to write.
+    def physical_queues(self) -> list[str]:
+        """Every shard of the swept queues, read afresh (SHARDS may have changed)."""
+        return self.backend.broker.physical_queues(self.queues, self.backend.config.SHARDS)
+
+    def redis_pass(self, physical: list[str] | None = None
+                   ) -> tuple[SweepReport, list[AttemptRecord]]:
+        """Recover and promote every shard; return the mirror records to write.
 
         Refunded budgets (claims that never started) are mirrored here at
         once: they are only shown in the admin, and losing one loses nothing.
@@ -73,7 +79,7 @@ class Sweep:
         refunds: dict[str, int] = {}
         broker = self.backend.broker
         lease_ms = self.backend.config.LEASE_MS
-        for queue in self.queues:
+        for queue in physical if physical is not None else self.physical_queues():
             recovered = broker.recover(queue, lease_ms=lease_ms)
             report.orphans += recovered.stamped
             for job in recovered.outcomes:
@@ -131,7 +137,7 @@ class Sweep:
             report.checked += len(rows)
             by_queue: dict[str, list[Job]] = defaultdict(list)
             for row in rows:
-                by_queue[row.queue].append(row)
+                by_queue[row.physical_queue].append(row)
             for queue, queue_rows in by_queue.items():
                 pushed, buried = self._reconcile_queue(queue, queue_rows, older_than)
                 report.pushed += pushed
@@ -166,7 +172,7 @@ class Sweep:
                                due_ms=int(due.timestamp() * 1000) if due else 0,
                                attempts=row.attempts))
         if lost:
-            broker.enqueue(queue, lost)
+            broker.enqueue(queue, lost, register=True)  # Redis may have lost the index too
             mirror.touch(database, [job.id for job in lost if not job.due_ms],
                          state=JobState.QUEUED)
             mirror.touch(database, [job.id for job in lost if job.due_ms],

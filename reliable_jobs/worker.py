@@ -57,6 +57,7 @@ from .exceptions import JobTimeout, UnknownTask
 from .faults import crash_point, raise_point
 from .handoff import JobBuffer, StartMarks
 from .isolation import ChildFailed, run_in_child
+from .keys import logical_queue
 from .mirror import AttemptRecord
 from .models import AttemptOutcome, JobState
 from .sweep import Sweep, SweepReport
@@ -173,6 +174,10 @@ class Worker:
         self.progress = progress
         self.broker = backend.broker
         self.sweep = Sweep(backend, self.queues)
+        #: The shards of ``queues`` (just the queues when none is sharded),
+        #: refreshed with every sweep so a change of SHARDS is picked up.
+        self._physical = list(self.queues)
+        self._claim_offset = 0
         self.stats = WorkerStats()
         #: True when a worker thread died of an unexpected error (exit non-zero).
         self.crashed = False
@@ -339,7 +344,8 @@ class Worker:
                     self._slot_freed.wait(0.05)
                     self._slot_freed.clear()
                     continue
-                woken = self.broker.wait(self.queues, min(MAX_WAIT_S, self._time_to_next_timer()))
+                woken = self.broker.wait(self._physical,
+                                         min(MAX_WAIT_S, self._time_to_next_timer()))
                 if woken is not None:
                     queue, moved_id = woken
                     crash_point("after_blmove")
@@ -368,9 +374,15 @@ class Worker:
         return room
 
     def _claim_round(self, capacity: int) -> int:
-        """Claim without blocking from every queue in turn; return how many."""
+        """Claim without blocking from every queue in turn; return how many.
+
+        Each round starts one queue further on, so no queue (or shard) is
+        always served first.
+        """
         claimed = 0
-        for queue in self.queues:
+        queues = self._physical
+        self._claim_offset = (self._claim_offset + 1) % len(queues)
+        for queue in queues[self._claim_offset:] + queues[:self._claim_offset]:
             if capacity - claimed <= 0:
                 break
             claimed += self._claim(queue, capacity - claimed, None)
@@ -397,7 +409,7 @@ class Worker:
     def _burst_done(self) -> bool:
         if self._in_hand:
             return False
-        counts = [self.broker.counts(queue) for queue in self.queues]
+        counts = [self.broker.counts(queue) for queue in self._physical]
         return not any(c.queued or c.running or c.scheduled for c in counts)
 
     def _time_to_next_timer(self) -> float:
@@ -416,7 +428,8 @@ class Worker:
             self._heartbeat()
         if now >= self._next_sweep:
             self._next_sweep = now + self.config.SWEEP_INTERVAL_MS / 1000
-            report, records = self.sweep.redis_pass()
+            self._physical = self.sweep.physical_queues()
+            report, records = self.sweep.redis_pass(self._physical)
             self._record_now(records)
             if report.requeued or report.dead or report.garbage:
                 logger.info("Sweep: %s.", report)
@@ -593,7 +606,8 @@ class Worker:
             if timeout_ms:
                 value = run_in_child(
                     payload_text=job.payload, job_id=job.id, attempt=job.attempt,
-                    worker_id=self.worker_id, backend=self.backend.alias, queue=job.queue,
+                    worker_id=self.worker_id, backend=self.backend.alias,
+                    queue=logical_queue(job.queue),
                     timeout_s=timeout_ms / 1000,
                 )
             elif task.takes_context:
@@ -620,8 +634,9 @@ class Worker:
 
     def _task_result(self, task: Any, job: ClaimedJob, decoded: payload.Payload,
                      started_at: datetime) -> TaskResult:
-        if task.queue_name != job.queue:
-            task = task.using(queue_name=job.queue)
+        queue = logical_queue(job.queue)  # the shard's queue, as enqueued
+        if task.queue_name != queue:
+            task = task.using(queue_name=queue)
         return TaskResult(
             task=task, id=job.id, status=TaskResultStatus.RUNNING, enqueued_at=None,
             started_at=started_at, finished_at=None, last_attempted_at=started_at,

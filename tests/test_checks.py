@@ -65,7 +65,9 @@ def test_default_options_have_no_messages(settings: Any, redis_client: redis.Red
     ("options", "check_id", "fragment"),
     [
         ({"LEASE_SM": 1_000}, "E001", "Unknown OPTIONS key 'LEASE_SM'"),
-        ({"REDIS_URL": "http://127.0.0.1:6379/0"}, "E002", "redis://, rediss:// or unix://"),
+        ({"REDIS_URL": "http://127.0.0.1:6379/0"}, "E002",
+         "redis://, rediss://, unix:// or redis+cluster://"),
+        ({"SHARDS": {"default": 0}}, "E010", "number of shards from 1 to 1024"),
         ({"REDIS_URL": "127.0.0.1:6379"}, "E002", "'127.0.0.1:6379'"),
         ({"REDIS_URL": 6379}, "E002", "not 6379"),
         ({"REDIS_URL": "redis://127.0.0.1:notaport/0"}, "E002", "notaport"),

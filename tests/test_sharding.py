@@ -1,0 +1,77 @@
+"""Sharded queues: a queue split over N shards, and N changed while jobs flow."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import redis
+from django.tasks import task_backends
+from redis.crc import key_slot
+
+from reliable_jobs.keys import QueueKeys, shard_queue
+from reliable_jobs.models import Job, JobState
+from testproject.demo import tasks as demo
+
+from .conftest import Processes, wait_until
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
+
+
+def all_done(ids: list[str], client: redis.Redis, shards: int) -> bool:
+    if Job.objects.filter(pk__in=ids, state=JobState.SUCCEEDED).count() != len(ids):
+        return False
+    return not any(client.llen(QueueKeys("rj", shard_queue("default", i)).queued)
+                   or client.llen(QueueKeys("rj", shard_queue("default", i)).processing)
+                   for i in range(shards))
+
+
+def test_a_sharded_queue_spreads_jobs_over_slots_and_workers_drain_every_shard(
+    rj_settings: Any, processes: Processes, redis_client: redis.Redis
+) -> None:
+    # Given: the default queue split into 4 shards
+    env = rj_settings(SHARDS={"default": 4})
+
+    # When: 200 jobs are enqueued (singly and in bulk)
+    singles = [demo.add.enqueue(i, 0) for i in range(40)]
+    bulk = task_backends["default"].enqueue_many(demo.add, [((i, 0), {}) for i in range(160)])
+    ids = [r.id for r in singles + bulk]
+
+    # Then: every shard got some, each shard is its own slot, and the ids are on
+    # the shard their row names
+    shards = {shard: Job.objects.filter(shard=shard).count() for shard in range(4)}
+    assert all(count > 0 for count in shards.values()), shards
+    assert len({key_slot(QueueKeys("rj", shard_queue("default", i)).queued.encode())
+                for i in range(4)}) == 4
+    for job in Job.objects.all()[:20]:
+        assert redis_client.lpos(QueueKeys("rj", job.physical_queue).queued, str(job.pk)) \
+            is not None
+    # and one worker drains all four
+    worker = processes.worker(env, "--burst", "--concurrency", "2")
+    assert worker.wait(timeout=60) == 0, processes.log(worker)
+    assert all_done(ids, redis_client, 4)
+
+
+def test_changing_the_shard_count_while_jobs_flow_loses_nothing(
+    rj_settings: Any, processes: Processes, redis_client: redis.Redis
+) -> None:
+    # Given: a worker configured with one shard, already running
+    old_env = rj_settings(SHARDS={"default": 1})
+    old_worker = processes.worker(old_env)
+    ids: list[str] = []
+
+    # When: producers go from 1 shard to 4, then back to 2, while it works
+    ids += [demo.sleep_for.enqueue(0.01).id for _ in range(50)]
+    rj_settings(SHARDS={"default": 4})
+    ids += [demo.sleep_for.enqueue(0.01).id for _ in range(100)]
+    assert Job.objects.filter(shard=3).exists()
+    rj_settings(SHARDS={"default": 2})
+    ids += [demo.sleep_for.enqueue(0.01).id for _ in range(50)]
+    new_worker = processes.worker(rj_settings(SHARDS={"default": 2}))
+
+    # Then: both workers drain every shard ever written to, shards 2 and 3
+    # included (no longer configured anywhere), and every job succeeds
+    wait_until(lambda: all_done(ids, redis_client, 4), timeout=60,
+               message="every job on every shard to finish")
+    for worker in (old_worker, new_worker):
+        assert processes.stop(worker) == 0
