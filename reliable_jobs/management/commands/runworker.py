@@ -11,7 +11,8 @@ from django.tasks import DEFAULT_TASK_BACKEND_ALIAS, task_backends
 from django.tasks.exceptions import InvalidTaskBackend
 
 from reliable_jobs.backend import ReliableJobsBackend
-from reliable_jobs.worker import Worker
+from reliable_jobs.supervisor import Supervisor, runworker_command_line
+from reliable_jobs.worker import Worker, default_worker_id
 
 VERBOSITY_LEVELS = {0: logging.WARNING, 1: logging.INFO, 2: logging.DEBUG, 3: logging.DEBUG}
 
@@ -76,6 +77,12 @@ class Command(BaseCommand):
         parser.add_argument("--grace", type=float, default=30.0,
                             help="Seconds running jobs get to finish after the first "
                                  "SIGTERM (default: %(default)r).")
+        parser.add_argument("--processes", type=int, default=1,
+                            help="Worker processes, each running --concurrency threads. Above "
+                                 "1 this process supervises them: it restarts one that fails "
+                                 "or is killed, forwards SIGTERM/SIGINT, and exits once all "
+                                 "have exited. Their ids are <--worker-id>-<n> "
+                                 "(default: %(default)r).")
 
     def handle(self, *args: Any, **options: Any) -> None:
         configure_logging(options["verbosity"])
@@ -95,6 +102,14 @@ class Command(BaseCommand):
             raise CommandError("--prefetch must be at least 0.")
         if options["max_jobs"] is not None and options["max_jobs"] < 1:
             raise CommandError("--max-jobs must be at least 1.")
+        if options["processes"] < 1:
+            raise CommandError("--processes must be at least 1.")
+        if options["processes"] > 1:
+            supervisor = Supervisor(runworker_command_line(), processes=options["processes"],
+                                    base_id=options["worker_id"] or default_worker_id())
+            if supervisor.run():
+                raise CommandError("A worker process did not stop cleanly (logged above).")
+            return
         progress = self.stdout.write if options["burst"] and options["verbosity"] >= 1 else None
         worker = Worker(
             backend, queues=queues, concurrency=options["concurrency"],
