@@ -108,9 +108,15 @@ def connect(url: str, *, socket_timeout: float | None = SOCKET_TIMEOUT_S) -> Any
     ``redis+cluster://host:port`` (or ``rediss+cluster://``) opens a
     ``RedisCluster`` client instead. Connections are named
     ``reliable_jobs:<pid>`` so ``CLIENT LIST`` shows which process holds which.
+
+    Bytes that are not UTF-8 (anyone who can write to Redis can put them in
+    an id or a payload) decode to lone surrogates instead of raising
+    UnicodeDecodeError in the middle of a claim; ``Broker._run`` sends such
+    ids back as the same bytes, and the payload codec refuses the surrogates.
     """
     options: dict[str, Any] = {
         "decode_responses": True,
+        "encoding_errors": "surrogateescape",
         "socket_timeout": socket_timeout,
         "socket_connect_timeout": 5.0,
         "client_name": f"reliable_jobs:{os.getpid()}",
@@ -146,7 +152,11 @@ class Broker:
         return keys
 
     def _run(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        return self._scripts[name](keys=keys, args=args)
+        # An id read back from Redis may hold bytes that are not UTF-8 (lone
+        # surrogates, see connect()): send it back as those same bytes.
+        # redis-py's hiredis packer ignores encoding_errors, hence by hand.
+        wire = [a.encode(errors="surrogateescape") if isinstance(a, str) else a for a in args]
+        return self._scripts[name](keys=keys, args=wire)
 
     def physical_queues(self, queues: Iterable[str], shards: dict[str, int]) -> list[str]:
         """Every physical queue (shard) of ``queues``: configured, or ever written to."""

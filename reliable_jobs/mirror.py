@@ -10,6 +10,7 @@ dropped, and the Redis ack waits for it (see worker.Finisher).
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -20,6 +21,7 @@ from django.db.models import Q
 from django.db.models.functions import Coalesce, Greatest
 from django.utils import timezone
 
+from . import payload
 from .keys import shard_queue
 from .models import UNFINISHED_STATES, Attempt, AttemptOutcome, Job, JobState
 
@@ -65,6 +67,8 @@ def record(using: str, records: Iterable[AttemptRecord]) -> None:
     """
     merged: dict[tuple[str, int], AttemptRecord] = {}
     for rec in records:
+        if not _make_storable(rec):
+            continue
         key = (rec.job_id, rec.attempt)
         earlier = merged.get(key)
         if earlier is not None:
@@ -103,6 +107,35 @@ def record(using: str, records: Iterable[AttemptRecord]) -> None:
                     job_id=rec.job_id, number__lt=rec.attempt, outcome=""
                 ).update(outcome=AttemptOutcome.LEASE_EXPIRED, finished_at=now,
                          error=ABANDONED_ERROR)
+
+
+#: The largest attempt number the mirror's integer columns hold.
+MAX_ATTEMPT = 2**31 - 1
+
+
+def _make_storable(rec: AttemptRecord) -> bool:
+    """Make ``rec`` storable, in place; return False when no row can match it.
+
+    One value the database refuses fails the whole batch, at every retry:
+    an id that is not a UUID or a counter out of range (Redis holds what
+    anyone wrote there), NUL or a lone surrogate in a task's message, NaN or
+    infinity in its result (see payload.storable).
+    """
+    try:
+        if str(uuid.UUID(rec.job_id)) != rec.job_id:
+            return False  # enqueue writes canonical UUIDs: no row has this id
+    except (TypeError, ValueError, AttributeError):
+        return False
+    if not 0 <= rec.attempt <= MAX_ATTEMPT:
+        return False
+    rec.worker_id = payload.storable_text(rec.worker_id)[:200]
+    rec.error = payload.storable_text(rec.error)
+    rec.traceback = payload.storable_text(rec.traceback)
+    try:
+        rec.return_value = payload.storable(rec.return_value)
+    except RecursionError:  # nested deeper than any JSON encoder would follow
+        rec.return_value = None
+    return True
 
 
 def _job_changes(rec: AttemptRecord, now: datetime) -> dict[str, Any]:

@@ -2,20 +2,40 @@
 
 Arguments are checked before anything is written, and the error names the
 offending argument (``kwargs['when']``, ``args[1][0]``). A payload read back
-from Redis is decoded defensively: anything this module did not write is a
-:class:`MalformedPayload`, never an exception that crashes a worker.
+from Redis is decoded defensively: anything this module would not have
+written (not JSON, too large, too deep, NaN, a NUL character, a lone
+surrogate, a task path that is not a dotted Python path) is a
+:class:`MalformedPayload`, never an exception that crashes a worker, and
+never a value that the database mirror or Redis would refuse later.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
+
+from django.tasks.exceptions import InvalidTask
 
 from .exceptions import InvalidJobArguments, MalformedPayload, PayloadTooLarge
 
 _encoder = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+#: Longest task path a payload may name, in characters (``Job.task_path`` holds 300).
+MAX_TASK_PATH = 300
+#: Deepest nesting of lists and dicts in the arguments: far beyond any real
+#: call, well within Python's recursion limit (``json`` recurses, so does
+#: ``normalize_json``) and PostgreSQL's ``jsonb`` input.
+MAX_DEPTH = 100
+#: The character PostgreSQL cannot store in text or jsonb.
+_NUL = "\x00"
+#: NUL, and surrogate code points (in a ``str`` they are always lone, so not
+#: valid Unicode: UTF-8 cannot encode them).
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+#: How :func:`storable_text` shows a character that cannot be stored.
+_REPLACEMENT = "\ufffd"
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,40 +45,93 @@ class Payload:
     kwargs: dict[str, Any]
 
 
+def text_problem(text: str) -> str:
+    """Say why ``text`` cannot be stored (PostgreSQL, UTF-8 to Redis), or return ""."""
+    found = _UNSTORABLE.search(text)
+    if found is None:
+        return ""
+    if found.group() == _NUL:
+        return f"contains a NUL character at index {found.start()}"
+    return f"contains a lone surrogate at index {found.start()} (not valid Unicode)"
+
+
+def is_task_path(value: object) -> bool:
+    """Return True for a dotted Python path (``app.tasks.send_mail``) of sane length."""
+    return (isinstance(value, str) and 0 < len(value) <= MAX_TASK_PATH
+            and all(part.isidentifier() for part in value.split(".")))
+
+
 def check_json(value: Any, where: str) -> None:
-    """Raise InvalidJobArguments unless ``value`` round-trips through JSON unchanged."""
-    if value is None or isinstance(value, (bool, str, int)):
-        return
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise InvalidJobArguments(f"{where} is {value!r}, which JSON cannot represent.")
-        return
-    if isinstance(value, (list, tuple)):
-        for index, item in enumerate(value):
-            check_json(item, f"{where}[{index}]")
-        return
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if not isinstance(key, str):
-                raise InvalidJobArguments(
-                    f"{where} has the key {key!r} of type {type(key).__name__}; JSON object "
-                    "keys must be strings."
-                )
-            check_json(item, f"{where}[{key!r}]")
-        return
-    raise InvalidJobArguments(
-        f"{where} is of type {type(value).__name__}, which is not JSON serializable; pass "
-        "only None, bool, int, float, str, list, tuple and dict with str keys."
-    )
+    """Raise InvalidJobArguments unless ``value`` round-trips through JSON unchanged.
+
+    Also refused: text the database mirror cannot store (NUL characters,
+    lone surrogates) and nesting deeper than :data:`MAX_DEPTH`. The walk is
+    iterative, so a deeply nested argument gets this error, not a
+    RecursionError.
+    """
+    stack: list[tuple[Any, str, int]] = [(value, where, 0)]
+    while stack:
+        item, here, depth = stack.pop()
+        if item is None or isinstance(item, (bool, int)):
+            continue
+        if isinstance(item, str):
+            problem = text_problem(item)
+            if problem:
+                raise InvalidJobArguments(f"{here} {problem}, which the job mirror cannot "
+                                          "store.")
+            continue
+        if isinstance(item, float):
+            if not math.isfinite(item):
+                raise InvalidJobArguments(f"{here} is {item!r}, which JSON cannot represent.")
+            continue
+        if isinstance(item, (list, tuple, dict)) and depth >= MAX_DEPTH:
+            raise InvalidJobArguments(
+                f"{here} is nested more than {MAX_DEPTH} levels deep; flatten the arguments.")
+        if isinstance(item, (list, tuple)):
+            stack += [(child, f"{here}[{index}]", depth + 1)
+                      for index, child in reversed(list(enumerate(item)))]
+            continue
+        if isinstance(item, dict):
+            children = []
+            for key, child in item.items():
+                if not isinstance(key, str):
+                    raise InvalidJobArguments(
+                        f"{here} has the key {key!r} of type {type(key).__name__}; JSON object "
+                        "keys must be strings."
+                    )
+                problem = text_problem(key)
+                if problem:
+                    raise InvalidJobArguments(f"{here} has a key that {problem}, which the job "
+                                              "mirror cannot store.")
+                children.append((child, f"{here}[{key!r}]", depth + 1))
+            stack += reversed(children)
+            continue
+        raise InvalidJobArguments(
+            f"{here} is of type {type(item).__name__}, which is not JSON serializable; pass "
+            "only None, bool, int, float, str, list, tuple and dict with str keys."
+        )
+
+
+def check_call(args: tuple[Any, ...] | list[Any], kwargs: dict[str, Any]) -> None:
+    """Raise InvalidJobArguments unless every argument and keyword name can be stored."""
+    for index, value in enumerate(args):
+        check_json(value, f"Argument args[{index}]")
+    for name, value in kwargs.items():
+        if not isinstance(name, str) or text_problem(name):
+            raise InvalidJobArguments(
+                f"The keyword argument name {name!r} is not text the job mirror can store.")
+        check_json(value, f"Argument kwargs[{name!r}]")
 
 
 def encode(task_path: str, args: tuple[Any, ...] | list[Any], kwargs: dict[str, Any],
            *, max_bytes: int) -> str:
-    """Check the arguments and return the payload text written to Redis."""
-    for index, value in enumerate(args):
-        check_json(value, f"Argument args[{index}]")
-    for name, value in kwargs.items():
-        check_json(value, f"Argument kwargs[{name!r}]")
+    """Check the task path and the arguments; return the payload text written to Redis."""
+    if not is_task_path(task_path):
+        raise InvalidTask(
+            f"The task path {_shorten(task_path)} is not a dotted Python path of at most "
+            f"{MAX_TASK_PATH} characters, so no worker could run it."
+        )
+    check_call(args, kwargs)
     text = _encoder.encode({"task": task_path, "args": list(args), "kwargs": kwargs})
     size = len(text.encode())
     if size > max_bytes:
@@ -69,17 +142,96 @@ def encode(task_path: str, args: tuple[Any, ...] | list[Any], kwargs: dict[str, 
     return text
 
 
-def decode(text: object) -> Payload:
-    """Parse a payload read from Redis, or raise MalformedPayload."""
+def decode(text: object, *, max_bytes: int | None = None) -> Payload:
+    """Parse a payload read from Redis, or raise MalformedPayload.
+
+    ``max_bytes`` (the backend's MAX_PAYLOAD_BYTES) refuses a payload no
+    enqueue could have written before parsing it. Error messages quote
+    nothing raw (a task path or a key appears as its ``repr``, shortened
+    where it could be long), so they are safe to log and to store.
+    """
     if not isinstance(text, str) or not text:
         raise MalformedPayload("the job has no payload")
+    if max_bytes is not None and len(text) > max_bytes // 4:
+        # Only sizes that could be over the limit are counted (4 bytes per
+        # character at most in UTF-8); the common small payload skips it.
+        size = len(text.encode(errors="surrogatepass"))
+        if size > max_bytes:
+            raise MalformedPayload(
+                f"the payload takes {size} bytes, over the limit of {max_bytes} bytes "
+                "(OPTIONS['MAX_PAYLOAD_BYTES'])")
     try:
-        data = json.loads(text)
+        data = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float,
+                          object_pairs_hook=_unique_keys)
+    except RecursionError:
+        raise MalformedPayload("the payload is nested too deeply to parse") from None
     except ValueError as exc:
-        raise MalformedPayload(f"the payload is not JSON ({exc})") from None
+        # json's messages quote positions, never the text itself.
+        raise MalformedPayload(f"the payload is not strict JSON ({exc})") from None
     if not isinstance(data, dict):
         raise MalformedPayload("the payload is not a JSON object")
     task_path, args, kwargs = data.get("task"), data.get("args", []), data.get("kwargs", {})
     if not isinstance(task_path, str) or not isinstance(args, list) or not isinstance(kwargs, dict):
         raise MalformedPayload("the payload lacks a task path, an args list or a kwargs object")
+    if not is_task_path(task_path):
+        raise MalformedPayload(f"the task path {_shorten(task_path)} is not a dotted Python path")
+    try:
+        check_call(args, kwargs)
+    except InvalidJobArguments as exc:
+        message = str(exc).rstrip(".")
+        raise MalformedPayload(f"in the payload: {message[0].lower()}{message[1:]}") from None
     return Payload(task_path, args, kwargs)
+
+
+def storable_text(text: str) -> str:
+    """``text`` with each NUL character and lone surrogate replaced by U+FFFD.
+
+    For text a task produced (an exception message, a traceback) on its way
+    to the mirror and to Redis: PostgreSQL refuses NUL, and UTF-8 (Redis,
+    psycopg) refuses lone surrogates, so one such character would make the
+    whole write fail, again and again.
+    """
+    return _UNSTORABLE.sub(_REPLACEMENT, text)
+
+
+def storable(value: Any) -> Any:
+    """A JSON value (a task's return value) that PostgreSQL's jsonb can store.
+
+    Strings and keys go through :func:`storable_text`; NaN and the
+    infinities, which JSON has no spelling for, become the strings "NaN",
+    "Infinity" and "-Infinity". Anything else is returned unchanged.
+    """
+    if isinstance(value, str):
+        return storable_text(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {storable_text(k) if isinstance(k, str) else k: storable(v)
+                for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [storable(v) for v in value]
+    return value
+
+
+def _shorten(value: object, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters: safe to log (no raw newlines)."""
+    shown = repr(value)
+    return shown if len(shown) <= limit else f"{shown[:limit]}...'"
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:20]!r} is too large for a float")
+    return value
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    data = dict(pairs)
+    if len(data) != len(pairs):
+        raise ValueError("an object has the same key twice")
+    return data

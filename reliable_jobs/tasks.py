@@ -3,20 +3,29 @@
 ``@task(max_attempts=5, retry_base_ms=500, timeout_ms=60_000)`` works
 because Django's ``task()`` passes extra keyword arguments to the backend's
 ``task_class``. Every such task registers itself by its import path when it
-is created; a worker runs only paths found here, and never imports a path it
-read from Redis (payloads are data, not code).
+is created. A worker fills the registry at start-up (:func:`discover` imports
+each installed app's ``tasks`` module) and then runs only what
+:func:`lookup` allows: a registered task whose function belongs to an
+installed app. It never imports a path it read from Redis: payloads are
+data, not code, and a path is only ever a dictionary key here.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Any
 
+from django.apps import apps
+from django.core.signals import setting_changed
+from django.dispatch import receiver
 from django.tasks import Task
 from django.tasks.exceptions import InvalidTask
 from django.utils.module_loading import autodiscover_modules
 
 _registry: dict[str, Task] = {}
+#: Paths lookup() already found allowed.
+_allowed: dict[str, Task] = {}
 _lock = threading.Lock()
 
 
@@ -55,9 +64,36 @@ def register(task: Task) -> None:
         _registry.setdefault(task.module_path, task)
 
 
-def lookup(task_path: str) -> Task | None:
-    """Return the registered task for ``task_path``, importing nothing."""
-    return _registry.get(task_path)
+def lookup(task_path: object) -> Task | None:
+    """Return the task a worker may run for ``task_path``, or None; imports nothing.
+
+    Allowed: a task registered in this process whose function lives in an
+    installed app (``myapp.tasks.send`` for the app ``myapp``). A task that
+    some other module happened to define (a library, a script, a test
+    module) is refused, like any unknown path.
+    """
+    if not isinstance(task_path, str):
+        return None
+    allowed = _allowed.get(task_path)
+    if allowed is not None:
+        return allowed
+    task = _registry.get(task_path)
+    if task is None or not apps.ready:
+        return None
+    module = getattr(task.func, "__module__", None)
+    if not isinstance(module, str) or apps.get_containing_app_config(module) is None:
+        return None
+    # Installed apps do not change while a process runs: remember the answer
+    # (get_containing_app_config walks every app, on the worker's hot path).
+    _allowed[task_path] = task
+    return task
+
+
+@receiver(setting_changed)
+def _forget_allowed(*, setting: str, **kwargs: Any) -> None:
+    """Tests may change INSTALLED_APPS: decide again."""
+    if setting == "INSTALLED_APPS":
+        _allowed.clear()
 
 
 def discover() -> int:

@@ -591,7 +591,7 @@ class Worker:
         task_path = "?"
         result: TaskResult | None = None
         try:
-            decoded = payload.decode(job.payload)
+            decoded = payload.decode(job.payload, max_bytes=self.config.MAX_PAYLOAD_BYTES)
             task_path = decoded.task_path
             task = lookup(decoded.task_path)
             if task is None or task.backend != self.backend.alias:
@@ -660,6 +660,9 @@ class Worker:
         else:
             error = f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}"
             trace = "".join(traceback.format_exception(exc))
+        # Task code may put NUL or lone surrogates in a message: PostgreSQL and
+        # Redis (UTF-8) refuse them, and the outcome could never be written.
+        error, trace = payload.storable_text(error), payload.storable_text(trace)
         state = (JobState.DEAD if delay_ms == retry.DEAD
                  else JobState.QUEUED if delay_ms == 0 else JobState.SCHEDULED)
         record = AttemptRecord(

@@ -81,14 +81,16 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     sqlite_options.setdefault("timeout", 20)
     sqlite_options.setdefault("init_command", "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;")
 
-REDIS_URL, REDIS_DESCRIPTION = choose_redis_url(env.str("REDIS_URL", default=None), RUN_DIR)
+# Lower case: not a setting, so no error report or `diffsettings` lists the URL
+# (with its password) a second time.
+redis_url, redis_description = choose_redis_url(env.str("REDIS_URL", default=None), RUN_DIR)
 
 TASKS = {
     "default": {
         "BACKEND": "reliable_jobs.backend.ReliableJobsBackend",
         "QUEUES": env.list("RJ_QUEUES", default=["default"]),
         "OPTIONS": {
-            "REDIS_URL": REDIS_URL,
+            "REDIS_URL": redis_url,
             "PREFIX": env.str("RJ_PREFIX", default="rj"),
             # RJ_OPTIONS is a JSON object merged over these OPTIONS. The test
             # suite sets it for the `manage.py runworker` subprocesses it starts
@@ -104,8 +106,8 @@ if not env.str("REDIS_URL", default="") or not env.str("DATABASE_URL", default="
     # (those may hold passwords).
     redis_said = (
         "REDIS_URL set"
-        if REDIS_DESCRIPTION == "REDIS_URL"
-        else f"REDIS_URL not set, using {REDIS_DESCRIPTION}"
+        if redis_description == "REDIS_URL"
+        else f"REDIS_URL not set, using {redis_description}"
     )
     database_said = (
         "DATABASE_URL set"
@@ -113,6 +115,10 @@ if not env.str("REDIS_URL", default="") or not env.str("DATABASE_URL", default="
         else f"DATABASE_URL not set, using SQLite at {DEFAULT_SQLITE_PATH}"
     )
     print(f"testproject: {redis_said}; {database_said}", file=sys.stderr)
+
+# Django's error reports hide settings whose names look secret; this filter
+# also masks the password inside TASKS' REDIS_URL (and any other URL).
+DEFAULT_EXCEPTION_REPORTER_FILTER = "reliable_jobs.conf.SafeExceptionReporterFilter"
 
 if env.bool("RJ_FAST_HASHER", default=False):
     # Tests log users in often; the default hasher costs ~0.3 s per login.

@@ -20,16 +20,24 @@
   of the two lists. Each claimed job gets attempts + 1 (the fencing token),
   state 'running' and a lease. A job whose attempts already reached
   max_attempts goes to dead instead (G3). An id with no job hash is garbage:
-  it is moved aside to dead and reported. A copy of an id whose job is not
-  'queued' is a stray and dropped, except the last copy of a 'running' job
-  on processing: that one belongs to the job's holder, and without it an
-  expired lease could never be recovered.
+  it is moved aside to dead and reported. So is an id whose hash is damaged
+  (no state, or a state no script writes), and the damaged hash is deleted,
+  so that reconcile rebuilds the job from the database. A copy of an id
+  whose job is not 'queued' is a stray and dropped, except the last copy of
+  a 'running' job on processing: that one belongs to the job's holder, and
+  without it an expired lease could never be recovered.
+
+  attempts and max_attempts are read as whole numbers from 0 (1) to 2^31 - 1
+  (the mirror's integer columns) whatever the hash holds, so the token
+  written back always reads the same as the one returned.
 
   Returns: { jobs, dead, garbage, remaining }
     jobs      flat list: id, attempt, max_attempts, payload (per job)
     dead      flat list: id, attempts (jobs that had no attempt left)
-    garbage   list of ids that had no job hash
+    garbage   list of ids moved aside: no job hash, or a damaged one
     remaining length of queued after the claim
+  Errors: count or lease_ms not a whole number from 0 to 2^52 (nothing is
+  written).
 ]]
 local queued_key = KEYS[1]
 local processing_key = KEYS[2]
@@ -38,9 +46,31 @@ local dead_key = KEYS[4]
 local wake_key = KEYS[5]
 local job_prefix = KEYS[6]
 
-local count = tonumber(ARGV[1])
-local lease_ms = tonumber(ARGV[2])
-local moved_id = ARGV[3]
+-- A whole number from ARGV, or an error reply before anything is written.
+local function whole(value, name)
+  local n = tonumber(value)
+  if n == nil or n ~= math.floor(n) or n < 0 or n > 4503599627370496 then
+    error({ err = 'ERR claim: ' .. name .. ' must be a whole number from 0 to 2^52, not '
+      .. string.sub(tostring(value), 1, 40) })
+  end
+  return n
+end
+
+-- A counter read from a job hash, clamped to the mirror's integer range.
+local MAX_COUNT = 2147483647
+local function count_of(value, lowest)
+  local n = tonumber(value)
+  if n == nil or n ~= n then
+    return lowest
+  end
+  return math.max(lowest, math.min(MAX_COUNT, math.floor(n)))
+end
+
+local KNOWN_STATES = { queued = true, running = true, scheduled = true, dead = true }
+
+local count = whole(ARGV[1], 'count')
+local lease_ms = whole(ARGV[2], 'lease_ms')
+local moved_id = ARGV[3] or ''
 
 local clock = redis.call('TIME')
 local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
@@ -73,8 +103,11 @@ local jobs, dead, garbage, lease_args = {}, {}, {}, {}
 for _, job_id in ipairs(ids) do
   local job_key = job_prefix .. job_id
   local job = redis.call('HMGET', job_key, 'state', 'attempts', 'max_attempts', 'payload')
-  if not job[1] then
+  if not KNOWN_STATES[job[1]] then
+    -- No hash, or a damaged one: the database still has the job, and
+    -- reconcile pushes it again once its hash is gone.
     redis.call('LREM', processing_key, 1, job_id)
+    redis.call('DEL', job_key)
     redis.call('ZADD', dead_key, now_ms, job_id)
     garbage[#garbage + 1] = job_id
   elseif job[1] ~= 'queued' then
@@ -85,8 +118,8 @@ for _, job_id in ipairs(ids) do
       redis.call('LREM', processing_key, 1, job_id)
     end
   else
-    local attempts = tonumber(job[2]) or 0
-    local max_attempts = tonumber(job[3]) or 1
+    local attempts = count_of(job[2], 0)
+    local max_attempts = count_of(job[3], 1)
     if attempts >= max_attempts then
       redis.call('LREM', processing_key, 1, job_id)
       redis.call('ZADD', dead_key, now_ms, job_id)

@@ -18,11 +18,17 @@
   reconcile push of the same job can never queue it twice.
 
   Returns: the number of jobs written.
+  Errors: ARGV not in groups of five (nothing is written).
 ]]
 local queued_key = KEYS[1]
 local scheduled_key = KEYS[2]
 local wake_key = KEYS[3]
 local job_prefix = KEYS[4]
+
+if #ARGV % 5 ~= 0 then
+  return redis.error_reply(
+    'ERR enqueue: ARGV must come in groups of five (id, payload, max_attempts, due_ms, attempts)')
+end
 
 local clock = redis.call('TIME')
 local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)

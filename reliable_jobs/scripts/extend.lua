@@ -12,13 +12,19 @@
   lease it would have extended is left alone.
 
   Returns: a list with 1 (extended) or 0 (refused) per pair.
+  Errors: lease_ms not a whole number from 0 to 2^52 (nothing is written).
 ]]
 local leases_key = KEYS[1]
 local job_prefix = KEYS[2]
 
 local clock = redis.call('TIME')
 local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-local deadline_ms = now_ms + tonumber(ARGV[1])
+local lease_ms = tonumber(ARGV[1])
+if lease_ms == nil or lease_ms ~= math.floor(lease_ms) or lease_ms < 0
+    or lease_ms > 4503599627370496 then
+  return redis.error_reply('ERR extend: lease_ms must be a whole number from 0 to 2^52')
+end
+local deadline_ms = now_ms + lease_ms
 
 local results = {}
 for i = 2, #ARGV, 2 do

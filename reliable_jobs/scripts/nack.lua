@@ -19,7 +19,11 @@
   whether the error is retryable); this script applies that decision only if
   the caller still holds the job, and computes the due time from TIME.
 
+  A delay that is not a number counts as -1 (dead); one beyond 2^52 ms is
+  cut to 2^52 ms (a job due in some 140,000 years, still in scheduled).
+
   Returns: a list with 1 (applied) or 0 (refused: stale attempt) per group.
+  Errors: ARGV not in groups of four (nothing is written).
 ]]
 local queued_key = KEYS[1]
 local processing_key = KEYS[2]
@@ -29,6 +33,19 @@ local dead_key = KEYS[5]
 local wake_key = KEYS[6]
 local job_prefix = KEYS[7]
 
+if #ARGV % 4 ~= 0 then
+  return redis.error_reply('ERR nack: ARGV must come in groups of four (id, attempt, delay_ms, error)')
+end
+
+-- The delay decided by the worker (task code may pick it): -1 for dead.
+local function delay_of(value)
+  local n = tonumber(value)
+  if n == nil or n ~= n or n < 0 then
+    return -1
+  end
+  return math.min(math.floor(n), 4503599627370496)
+end
+
 local clock = redis.call('TIME')
 local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 
@@ -37,7 +54,7 @@ local queued_now = 0
 for i = 1, #ARGV, 4 do
   local job_id = ARGV[i]
   local job_key = job_prefix .. job_id
-  local delay_ms = tonumber(ARGV[i + 2]) or -1
+  local delay_ms = delay_of(ARGV[i + 2])
   local job = redis.call('HMGET', job_key, 'state', 'attempts')
   if job[1] == 'running' and job[2] == ARGV[i + 1] then
     redis.call('LREM', processing_key, -1, job_id)

@@ -10,7 +10,8 @@
 
   An id whose hash is gone or not 'scheduled' (cancelled, or a stray) is
   dropped from scheduled; the database reconcile restores a real job that
-  Redis lost.
+  Redis lost. A damaged hash (no state, or a state no script writes) is
+  deleted as well, so that reconcile rebuilds that job too.
 
   Returns: the number of jobs promoted.
 ]]
@@ -22,14 +23,19 @@ local job_prefix = KEYS[4]
 local clock = redis.call('TIME')
 local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 
+local KNOWN_STATES = { queued = true, running = true, scheduled = true, dead = true }
+
 local due = redis.call('ZRANGEBYSCORE', scheduled_key, '-inf', now_ms, 'LIMIT', 0, tonumber(ARGV[1]))
 local ready = {}
 for _, job_id in ipairs(due) do
   redis.call('ZREM', scheduled_key, job_id)
   local job_key = job_prefix .. job_id
-  if redis.call('HGET', job_key, 'state') == 'scheduled' then
+  local state = redis.call('HGET', job_key, 'state')
+  if state == 'scheduled' then
     redis.call('HSET', job_key, 'state', 'queued')
     ready[#ready + 1] = job_id
+  elseif not KNOWN_STATES[state] then
+    redis.call('DEL', job_key)
   end
 end
 for i = 1, #ready, 1000 do

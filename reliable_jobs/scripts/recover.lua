@@ -23,6 +23,12 @@
   back when that expires without being charged an attempt: its state is
   still 'queued' because no claim ever ran.
 
+  An id with no job hash is garbage and goes to dead; so does one whose hash
+  is damaged (no state, or a state no script writes), and that hash is
+  deleted so that reconcile rebuilds the job from the database. attempts
+  and max_attempts are read as whole numbers from 0 (1) to 2^31 - 1 (the
+  mirror's integer columns), whatever the hash holds.
+
   Safe to run concurrently with itself, workers and other sweeps: each step
   is one atomic script, and an id is acted on only if LREM found it.
 
@@ -30,8 +36,11 @@
     outcomes  flat list: id, attempts, max_attempts, kind per handled lease,
               where kind is 'expired' (requeued), 'unstarted' (requeued,
               refunded), 'dead', 'orphan' (requeued, never claimed),
-              'garbage' (no job hash) or 'dropped' (stray copy)
+              'garbage' (no job hash, or a damaged one) or 'dropped'
+              (stray copy of a job that lives elsewhere)
     stamped   how many orphans got a first lease
+  Errors: limit, lease_ms or orphan_scan not a whole number from 0 to 2^52
+  (nothing is written).
 ]]
 local queued_key = KEYS[1]
 local processing_key = KEYS[2]
@@ -40,9 +49,31 @@ local dead_key = KEYS[4]
 local wake_key = KEYS[5]
 local job_prefix = KEYS[6]
 
-local limit = tonumber(ARGV[1])
-local lease_ms = tonumber(ARGV[2])
-local orphan_scan = tonumber(ARGV[3])
+-- A whole number from ARGV, or an error reply before anything is written.
+local function whole(value, name)
+  local n = tonumber(value)
+  if n == nil or n ~= math.floor(n) or n < 0 or n > 4503599627370496 then
+    error({ err = 'ERR recover: ' .. name .. ' must be a whole number from 0 to 2^52, not '
+      .. string.sub(tostring(value), 1, 40) })
+  end
+  return n
+end
+
+-- A counter read from a job hash, clamped to the mirror's integer range.
+local MAX_COUNT = 2147483647
+local function count_of(value, lowest)
+  local n = tonumber(value)
+  if n == nil or n ~= n then
+    return lowest
+  end
+  return math.max(lowest, math.min(MAX_COUNT, math.floor(n)))
+end
+
+local KNOWN_STATES = { queued = true, running = true, scheduled = true, dead = true }
+
+local limit = whole(ARGV[1], 'limit')
+local lease_ms = whole(ARGV[2], 'lease_ms')
+local orphan_scan = whole(ARGV[3], 'orphan_scan')
 
 local clock = redis.call('TIME')
 local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
@@ -55,15 +86,16 @@ for _, job_id in ipairs(expired) do
   if redis.call('LREM', processing_key, -1, job_id) > 0 then
     local job_key = job_prefix .. job_id
     local job = redis.call('HMGET', job_key, 'state', 'attempts', 'max_attempts', 'started')
-    local attempts = tonumber(job[2]) or 0
-    local max_attempts = tonumber(job[3]) or 1
+    local attempts = count_of(job[2], 0)
+    local max_attempts = count_of(job[3], 1)
     local kind
-    if not job[1] then
+    if not KNOWN_STATES[job[1]] then
       kind = 'garbage'
+      redis.call('DEL', job_key)
       redis.call('ZADD', dead_key, now_ms, job_id)
     elseif job[1] == 'running' and job[4] ~= job[2] then
       kind = 'unstarted'
-      max_attempts = max_attempts + 1
+      max_attempts = math.min(max_attempts + 1, MAX_COUNT)
       redis.call('HSET', job_key, 'state', 'queued', 'max_attempts', max_attempts)
       redis.call('RPUSH', queued_key, job_id)
       requeued = requeued + 1

@@ -18,12 +18,29 @@
   costs it nothing; an interrupted one keeps the attempt it used.
 
   Returns: a list with 1 (released) or 0 (refused: stale attempt) per group.
+  Errors: ARGV not in groups of three (nothing is written).
 ]]
 local queued_key = KEYS[1]
 local processing_key = KEYS[2]
 local leases_key = KEYS[3]
 local wake_key = KEYS[4]
 local job_prefix = KEYS[5]
+
+if #ARGV % 3 ~= 0 then
+  return redis.error_reply('ERR release: ARGV must come in groups of three (id, attempt, started)')
+end
+
+-- max_attempts read from a job hash, clamped to the mirror's integer range.
+-- (Not HINCRBY: on a damaged value it would fail half-way through this
+-- script, leaving the job off every list.)
+local MAX_COUNT = 2147483647
+local function count_of(value, lowest)
+  local n = tonumber(value)
+  if n == nil or n ~= n then
+    return lowest
+  end
+  return math.max(lowest, math.min(MAX_COUNT, math.floor(n)))
+end
 
 local results = {}
 local released = 0
@@ -34,9 +51,12 @@ for i = 1, #ARGV, 3 do
   if job[1] == 'running' and job[2] == ARGV[i + 1] then
     redis.call('LREM', processing_key, -1, job_id)
     redis.call('ZREM', leases_key, job_id)
-    redis.call('HSET', job_key, 'state', 'queued')
     if ARGV[i + 2] == '0' then
-      redis.call('HINCRBY', job_key, 'max_attempts', 1)
+      local max_attempts = count_of(redis.call('HGET', job_key, 'max_attempts'), 1)
+      redis.call('HSET', job_key, 'state', 'queued',
+        'max_attempts', math.min(max_attempts + 1, MAX_COUNT))
+    else
+      redis.call('HSET', job_key, 'state', 'queued')
     end
     redis.call('RPUSH', queued_key, job_id)
     released = released + 1

@@ -13,20 +13,33 @@
   the history keeps every attempt); max_attempts becomes attempts + extra.
 
   Returns: 1 if revived, 0 if the job was not dead in Redis.
+  Errors: extra_attempts not a whole number from 0 to 2^31 - 1 (nothing is
+  written).
 ]]
 local queued_key = KEYS[1]
 local dead_key = KEYS[2]
 local wake_key = KEYS[3]
 local job_prefix = KEYS[4]
 
+local MAX_COUNT = 2147483647
+local extra = tonumber(ARGV[2])
+if extra == nil or extra ~= math.floor(extra) or extra < 0 or extra > MAX_COUNT then
+  return redis.error_reply('ERR revive: extra_attempts must be a whole number from 0 to 2^31 - 1')
+end
+
 local job_id = ARGV[1]
 local job_key = job_prefix .. job_id
 if redis.call('HGET', job_key, 'state') ~= 'dead' then
   return 0
 end
-local attempts = tonumber(redis.call('HGET', job_key, 'attempts')) or 0
+-- The counter as claim reads it (a whole number within the mirror's range).
+local attempts = tonumber(redis.call('HGET', job_key, 'attempts'))
+if attempts == nil or attempts ~= attempts then
+  attempts = 0
+end
+attempts = math.max(0, math.min(MAX_COUNT, math.floor(attempts)))
 redis.call('ZREM', dead_key, job_id)
-redis.call('HSET', job_key, 'state', 'queued', 'max_attempts', attempts + tonumber(ARGV[2]))
+redis.call('HSET', job_key, 'state', 'queued', 'max_attempts', math.min(attempts + extra, MAX_COUNT))
 redis.call('HDEL', job_key, 'finished_ms')
 redis.call('LPUSH', queued_key, job_id)
 if redis.call('LLEN', wake_key) == 0 then
