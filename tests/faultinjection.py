@@ -22,6 +22,23 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def wait_for_ping(port: int, timeout: float = 10.0) -> None:
+    """Wait until a server just started on ``port`` answers PING."""
+    client = redis.Redis(port=port, socket_connect_timeout=0.2)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                client.ping()
+                return
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
+    finally:
+        client.close()
+
+
 class PrivateRedis:
     """A redis-server of our own that keeps nothing on disk, so a restart is empty."""
 
@@ -41,17 +58,7 @@ class PrivateRedis:
              "--appendonly", "no", "--dir", str(self.workdir)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
         )
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.02)
-        client.close()
+        wait_for_ping(self.port)
 
     def kill(self) -> None:
         """Die like a crash: every key is gone (nothing was saved)."""

@@ -16,7 +16,7 @@ from pathlib import Path
 import redis
 from redis.cluster import RedisCluster
 
-from .faultinjection import free_port
+from .faultinjection import free_port, wait_for_ping
 
 
 def _free_cluster_port() -> int:
@@ -75,17 +75,7 @@ class RedisClusterHarness:
              "--dir", str(node_dir)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
         )
-        client = redis.Redis(port=port, socket_connect_timeout=0.2)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.02)
-        client.close()
+        wait_for_ping(port)
 
     def wait_ok(self, timeout: float = 30.0) -> None:
         """Wait until every live node says cluster_state:ok and all slots are covered."""
