@@ -55,8 +55,34 @@ def insert_job(using: str, job: Job) -> None:
     job.save(using=using, force_insert=True)
 
 
+#: Columns COPY writes for a new job (the rest keep their defaults: NULL or 0).
+_COPY_COLUMNS = ("id", "backend", "queue", "shard", "task_path", "args", "kwargs", "priority",
+                 "state", "attempts", "max_attempts", "run_after", "enqueued_at", "updated_at",
+                 "last_error")
+
+
 def insert_jobs(using: str, jobs: Sequence[Job]) -> None:
-    Job.objects.using(using).bulk_create(jobs, batch_size=1000)
+    """Insert new job rows in bulk, inside the caller's transaction.
+
+    On PostgreSQL with COPY: Django's bulk_create spends most of a bulk
+    enqueue building and quoting parameters (PERF-NOTES: COPY is the fastest
+    way in); elsewhere with bulk_create.
+    """
+    connection = connections[using]
+    if connection.vendor != "postgresql":
+        Job.objects.using(using).bulk_create(jobs, batch_size=1000)
+        return
+    columns = ", ".join(_COPY_COLUMNS)
+    with connection.cursor() as cursor, cursor.cursor.copy(
+        f"COPY {Job._meta.db_table} ({columns}) FROM STDIN"
+    ) as copy:
+        for job in jobs:
+            copy.write_row((
+                job.id, job.backend, job.queue, job.shard, job.task_path,
+                json.dumps(job.args), json.dumps(job.kwargs), job.priority, job.state,
+                job.attempts, job.max_attempts, job.run_after, job.enqueued_at,
+                job.updated_at, job.last_error,
+            ))
 
 
 def record(using: str, records: Iterable[AttemptRecord]) -> None:
