@@ -93,8 +93,6 @@ def record(using: str, records: Iterable[AttemptRecord]) -> None:
     """
     merged: dict[tuple[str, int], AttemptRecord] = {}
     for rec in records:
-        if not _make_storable(rec):
-            continue
         key = (rec.job_id, rec.attempt)
         earlier = merged.get(key)
         if earlier is not None:
@@ -103,6 +101,8 @@ def record(using: str, records: Iterable[AttemptRecord]) -> None:
             rec.started_at = rec.started_at or earlier.started_at
             rec.worker_id = rec.worker_id or earlier.worker_id
         merged[key] = rec
+    # Cleaned once per attempt, after the start and finish records merged.
+    merged = {key: rec for key, rec in merged.items() if _make_storable(rec)}
     if not merged:
         return
     # A job's newest attempt decides its row (older ones only fill in history).

@@ -511,6 +511,7 @@ class Worker:
         before, is marked alone and only once the outcomes of everything this
         worker finished are durable.
         """
+        close_old_connections()
         while (item := self._buffer.get()) is not None:
             job, marked = item
             if self._stopping.is_set():
@@ -527,10 +528,12 @@ class Worker:
                     continue
                 job = held[0]
                 self._buffer.put_marked(held[1:])
-            close_old_connections()
             try:
                 self._execute(job)
             finally:
+                # Like Django's request cycle: a task's database connection is
+                # closed (or kept, per CONN_MAX_AGE) when it ends, so the next
+                # job never starts on a broken or stale one.
                 close_old_connections()
 
     def _mark_started(self, jobs: list[ClaimedJob]) -> list[ClaimedJob]:
