@@ -91,17 +91,20 @@ def test_stalled_worker_loses_its_job_and_its_late_ack_is_refused(
                message="worker A to start the job")
 
     # When: A is paused (SIGSTOP) past its lease, worker B takes the job over,
-    # and A resumes afterwards
+    # and A resumes while B still runs it: A's sleep is long over, so A
+    # finishes at once and acks attempt 1 while B holds attempt 2
     stalled.send_signal(signal.SIGSTOP)
     try:
         other = processes.worker(env, "--worker-id", "B")
-        wait_until(lambda: Attempt.objects.filter(
-            job_id=result.id, worker_id="B", outcome=AttemptOutcome.SUCCEEDED).exists(),
-            timeout=30, message="worker B to run the job")
+        wait_until(lambda: Attempt.objects.filter(job_id=result.id, worker_id="B").exists(),
+                   timeout=30, message="worker B to start the job")
     finally:
         stalled.send_signal(signal.SIGCONT)
     wait_until(lambda: "Redis refused the outcome" in processes.log(stalled), timeout=30,
                message="worker A's late ack to be refused")
+    wait_until(lambda: Attempt.objects.filter(
+        job_id=result.id, worker_id="B", outcome=AttemptOutcome.SUCCEEDED).exists(),
+        timeout=30, message="worker B to finish the job")
 
     # Then: A's late ack was refused (fencing); the mirror keeps the true history:
     # attempt 1 (A) lost its lease, attempt 2 (B) succeeded; the job succeeded once
