@@ -33,6 +33,8 @@ from .keys import (
 SOCKET_TIMEOUT_S = 10.0
 #: Expired leases and due jobs handled per recover/promote call.
 SWEEP_BATCH = 1_000
+#: How long a worker that stopped beating stays in the workers index, in ms.
+WORKER_INDEX_KEEP_MS = 3_600_000
 #: Ids at the tail of processing inspected for a missing lease per recover.
 ORPHAN_SCAN = 10_000
 
@@ -384,11 +386,18 @@ class Broker:
         return json.loads(raw) if raw else None
 
     def heartbeat(self, worker_id: str, info: dict[str, Any], *, ttl_ms: int) -> None:
-        """Record that a worker is alive, with what it holds, for ``ttl_ms``."""
+        """Record that a worker is alive, with what it holds, for ``ttl_ms``.
+
+        Workers killed outright never say goodbye: entries of the index older
+        than an hour (far beyond any heartbeat TTL) are dropped here, so the
+        index stays as small as the set of recent workers.
+        """
         now_ms = int(time.time() * 1000)
+        index = workers_index(self.prefix)
         with self.client.pipeline(transaction=False) as pipe:
             pipe.set(worker_key(self.prefix, worker_id), json.dumps(info), px=ttl_ms)
-            pipe.zadd(workers_index(self.prefix), {worker_id: now_ms})
+            pipe.zadd(index, {worker_id: now_ms})
+            pipe.zremrangebyscore(index, "-inf", now_ms - WORKER_INDEX_KEEP_MS)
             pipe.execute()
 
     def forget_worker(self, worker_id: str) -> None:

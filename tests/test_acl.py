@@ -46,7 +46,7 @@ MINIMAL_ACL = (
     "+client|setname", "+select", "+ping",
     "+evalsha", "+script|load",
     "+blmove", "+blpop", "+llen", "+zcard", "+hmget", "+zrange",
-    "+set", "+get", "+del", "+zadd", "+zrem", "+zrevrange",
+    "+set", "+get", "+del", "+zadd", "+zrem", "+zrevrange", "+zremrangebyscore",
     "+time", "+exists", "+hget", "+hset", "+hdel", "+lpos", "+lpush", "+rpush", "+lrange",
     "+lrem", "+ltrim", "+zscore", "+zrangebyscore",
 )

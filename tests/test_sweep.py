@@ -79,3 +79,19 @@ def test_reconcile_pushes_only_lost_jobs_and_mirrors_deaths(
     assert (dead.state, dead.attempts, dead.last_error) == (JobState.DEAD, 3, "boom")
     # and a second pass pushes nothing (the grace period restarted for the pushed one)
     assert Sweep(backend).reconcile().pushed == 0
+
+
+def test_heartbeats_drop_workers_that_stopped_long_ago(
+    rj_settings: Any, redis_client: redis.Redis
+) -> None:
+    # Given: a worker SIGKILLed two hours ago left its id in the workers index
+    rj_settings()
+    broker = task_backends["default"].broker
+    now_ms = broker.server_time_ms()
+    redis_client.zadd("rj:workers", {"killed-long-ago": now_ms - 7_200_000})
+
+    # When: a live worker beats
+    broker.heartbeat("alive", {"id": "alive"}, ttl_ms=15_000)
+
+    # Then: the index keeps the live worker only
+    assert redis_client.zrange("rj:workers", 0, -1) == ["alive"]
