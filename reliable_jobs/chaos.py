@@ -23,7 +23,6 @@ with the run if it is itself SIGKILLed, so no worker is ever left behind.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import random
 import signal
@@ -44,6 +43,7 @@ from django.tasks import Task
 from django.utils import timezone
 
 from .models import Attempt, AttemptOutcome, Job, JobState
+from .supervisor import signal_when_parent_dies
 from .tasks import discover, lookup
 
 if TYPE_CHECKING:
@@ -66,8 +66,6 @@ POLL_S = 0.5
 ID_CHUNK = 500
 #: Outcomes of an attempt that the task itself caused: not a crash.
 TASK_FAILURES = (AttemptOutcome.FAILED, AttemptOutcome.TIMED_OUT)
-#: prctl(2) option: the signal a child gets when its parent dies (Linux).
-PR_SET_PDEATHSIG = 1
 
 
 class ChaosError(Exception):
@@ -218,24 +216,6 @@ def manage_py() -> list[str]:
     return [sys.executable, "-m", "django"]
 
 
-def _die_with_parent(parent_pid: int) -> Callable[[], None] | None:
-    """A ``preexec_fn`` that SIGKILLs the child when the run dies (Linux only).
-
-    A ``finally`` cannot run when the run itself is SIGKILLed (a test's
-    teardown, the OOM killer); without this its workers would run on forever.
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-
-    def preexec() -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != parent_pid:  # the parent died before prctl ran
-            os._exit(1)
-
-    return preexec
-
-
 class Fleet:
     """Every process a run starts, each logging to its own file, all stopped at the end."""
 
@@ -254,7 +234,8 @@ class Fleet:
                 stderr=subprocess.STDOUT,
                 # Its own session: Ctrl-C reaches the run only, which then stops
                 # every child in order instead of racing their signal handlers.
-                start_new_session=True, preexec_fn=_die_with_parent(os.getpid()),
+                start_new_session=True,
+                preexec_fn=signal_when_parent_dies(os.getpid(), signal.SIGKILL),
             )
         self.started.append(proc)
         return proc

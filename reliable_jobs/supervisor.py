@@ -102,20 +102,21 @@ def runworker_command_line() -> list[str]:
     return [*program, *sys.argv[1:]]
 
 
-def _stop_with_parent(parent_pid: int) -> Callable[[], None] | None:
-    """A ``preexec_fn`` asking Linux to SIGTERM the child when the supervisor dies.
+def signal_when_parent_dies(parent_pid: int, signum: int) -> Callable[[], None] | None:
+    """A ``preexec_fn`` asking Linux to send the child ``signum`` when its parent dies.
 
-    A supervisor killed with SIGKILL (the OOM killer, a test's teardown)
-    runs no cleanup; without this its children would serve on unsupervised.
-    SIGTERM, not SIGKILL: each child then finishes its running jobs.
+    A parent killed with SIGKILL (the OOM killer, a test's teardown) runs no
+    cleanup; without this its children would run on unsupervised. The
+    supervisor asks for SIGTERM (each worker finishes its running jobs),
+    ``chaosjobs`` for SIGKILL. None off Linux.
     """
     if not sys.platform.startswith("linux"):
         return None
 
     def preexec() -> None:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent_pid:  # the supervisor died before prctl ran
+        libc.prctl(PR_SET_PDEATHSIG, signum)
+        if os.getppid() != parent_pid:  # the parent died before prctl ran
             os._exit(1)
 
     return preexec
@@ -244,7 +245,7 @@ class Supervisor:
             child.proc = subprocess.Popen(
                 [*self.command, "--processes", "1", "--worker-id", child.worker_id],
                 stdin=subprocess.DEVNULL, start_new_session=True,
-                preexec_fn=_stop_with_parent(os.getpid()),
+                preexec_fn=signal_when_parent_dies(os.getpid(), signal.SIGTERM),
             )
         except OSError as exc:  # out of processes or memory: try again later
             logger.error("Could not start worker %s (%s).", child.worker_id, exc)

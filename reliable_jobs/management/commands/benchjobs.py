@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
-from django.tasks import DEFAULT_TASK_BACKEND_ALIAS
 
 from reliable_jobs.bench import Figure, measure_at_length, measure_latency, percentile, run_once
-from reliable_jobs.management.commands.runworker import get_backend
+from reliable_jobs.management.commands.runworker import (
+    add_queue_and_backend_arguments,
+    get_backend,
+    quiet_logging,
+)
 
 
 class Command(BaseCommand):
@@ -38,14 +40,10 @@ class Command(BaseCommand):
                             help="Queue lengths at which to measure the drain rate of "
                                  "2,000 jobs and Redis memory per job, comma-separated "
                                  "('' to skip; default: %(default)r).")
-        parser.add_argument("--queue", default=None,
-                            help="Queue to use (default: the backend's first queue).")
-        parser.add_argument("--backend", default=DEFAULT_TASK_BACKEND_ALIAS,
-                            help="TASKS alias (default: %(default)r).")
+        add_queue_and_backend_arguments(parser)
 
     def handle(self, *args: Any, **options: Any) -> None:
-        for name in ("reliable_jobs", "django.tasks"):
-            logging.getLogger(name).setLevel(logging.WARNING)
+        quiet_logging()
         backend = get_backend(options["backend"])
         queue = options["queue"] or sorted(backend.queues)[0]
         if queue not in backend.queues:

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
-from django.tasks import DEFAULT_TASK_BACKEND_ALIAS
 
 from reliable_jobs.chaos import DEFAULT_TASK, ChaosConfig, ChaosError, ChaosRun, Interrupted
-from reliable_jobs.management.commands.runworker import get_backend
+from reliable_jobs.management.commands.runworker import (
+    add_queue_and_backend_arguments,
+    get_backend,
+    quiet_logging,
+)
 
 
 class Command(BaseCommand):
@@ -51,14 +53,10 @@ class Command(BaseCommand):
                                  "the seconds to sleep (default: %(default)r).")
         parser.add_argument("--seed", type=int, default=None,
                             help="Seed of the choice of victims (default: random, printed).")
-        parser.add_argument("--queue", default=None,
-                            help="Queue to use (default: the backend's first queue).")
-        parser.add_argument("--backend", default=DEFAULT_TASK_BACKEND_ALIAS,
-                            help="TASKS alias (default: %(default)r).")
+        add_queue_and_backend_arguments(parser)
 
     def handle(self, *args: Any, **options: Any) -> None:
-        for name in ("reliable_jobs", "django.tasks"):
-            logging.getLogger(name).setLevel(logging.WARNING)
+        quiet_logging()
         backend = get_backend(options["backend"])
         if backend.config.problems:
             raise CommandError(" ".join(message for _, message in backend.config.problems))

@@ -46,6 +46,20 @@ def configure_logging(verbosity: int) -> None:
         logger.addHandler(handler)
 
 
+def add_queue_and_backend_arguments(parser: CommandParser) -> None:
+    """``--queue`` and ``--backend`` for the commands that work on one queue."""
+    parser.add_argument("--queue", default=None,
+                        help="Queue to use (default: the backend's first queue).")
+    parser.add_argument("--backend", default=DEFAULT_TASK_BACKEND_ALIAS,
+                        help="TASKS alias (default: %(default)r).")
+
+
+def quiet_logging() -> None:
+    """Silence per-job log lines for commands that measure or print a table."""
+    for name in ("reliable_jobs", "django.tasks"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def queue_list(values: list[str] | None) -> list[str]:
     return [q.strip() for value in values or [] for q in value.split(",") if q.strip()]
 
