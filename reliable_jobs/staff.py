@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING, Any
 from django.db import transaction
 from django.utils import timezone
 
-from . import mirror, payload
+from . import mirror
 from .broker import NewJob
 from .models import Job, JobState
+from .sweep import rebuilt_job
 from .tasks import discover, lookup
 
 if TYPE_CHECKING:
@@ -159,10 +160,8 @@ def fresh_budget(backend: ReliableJobsBackend, job: Job) -> int:
 
 
 def _rebuilt(job: Job, *, max_attempts: int) -> NewJob:
-    """The Redis job for a row, due now, attempts kept (as reconcile rebuilds a lost job)."""
-    text = payload.encode(job.task_path, tuple(job.args), dict(job.kwargs),
-                          max_bytes=REBUILD_MAX_BYTES)
-    return NewJob(str(job.pk), text, max_attempts, due_ms=0, attempts=job.attempts)
+    """The Redis job for a row, due now, attempts kept (see sweep.rebuilt_job)."""
+    return rebuilt_job(job, max_attempts=max_attempts, max_bytes=REBUILD_MAX_BYTES)
 
 
 def _gone(job_id: Any) -> Outcome:

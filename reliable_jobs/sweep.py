@@ -54,6 +54,18 @@ class SweepReport:
         return ", ".join(f"{f.name} {getattr(self, f.name)}" for f in fields(self))
 
 
+def rebuilt_job(row: Job, *, max_attempts: int, due_ms: int = 0,
+                max_bytes: int = sys.maxsize) -> NewJob:
+    """The Redis job for a mirror row, its attempts kept: how a lost job comes back.
+
+    Reconcile rebuilds what Redis lost; a staff retry rebuilds a dead job
+    Redis no longer holds. The row was accepted when it was enqueued, so the
+    current MAX_PAYLOAD_BYTES is not applied again.
+    """
+    text = payload.encode(row.task_path, tuple(row.args), dict(row.kwargs), max_bytes=max_bytes)
+    return NewJob(str(row.pk), text, max_attempts, due_ms=due_ms, attempts=row.attempts)
+
+
 class Sweep:
     """One backend's sweep over a set of queues; keeps reconcile's cursor."""
 
@@ -166,11 +178,9 @@ class Sweep:
         now = timezone.now()
         lost: list[NewJob] = []
         for row in mirror.still_unfinished(database, missing, older_than=older_than):
-            text = payload.encode(row.task_path, row.args, row.kwargs, max_bytes=sys.maxsize)
             due = row.run_after if row.run_after and row.run_after > now else None
-            lost.append(NewJob(str(row.pk), text, row.max_attempts,
-                               due_ms=int(due.timestamp() * 1000) if due else 0,
-                               attempts=row.attempts))
+            lost.append(rebuilt_job(row, max_attempts=row.max_attempts,
+                                    due_ms=int(due.timestamp() * 1000) if due else 0))
         if lost:
             broker.enqueue(queue, lost, register=True)  # Redis may have lost the index too
             mirror.touch(database, [job.id for job in lost if not job.due_ms],
