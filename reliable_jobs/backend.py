@@ -39,7 +39,7 @@ logger = logging.getLogger("reliable_jobs")
 
 
 class ReliableJobsBackend(BaseTaskBackend):
-    """Redis lists for speed, the database for durability; see DESIGN.md."""
+    """Redis lists for speed, the database for durability; see docs/design.md."""
 
     task_class = ReliableTask
     supports_defer = True

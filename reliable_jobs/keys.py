@@ -51,7 +51,7 @@ def shards_index(prefix: str, queue: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class QueueKeys:
-    """The keys of one queue; see DESIGN.md's key table."""
+    """The keys of one queue; see docs/design.md's key table."""
 
     prefix: str
     queue: str

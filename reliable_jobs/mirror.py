@@ -65,7 +65,7 @@ def insert_jobs(using: str, jobs: Sequence[Job]) -> None:
     """Insert new job rows in bulk, inside the caller's transaction.
 
     On PostgreSQL with COPY: Django's bulk_create spends most of a bulk
-    enqueue building and quoting parameters (PERF-NOTES: COPY is the fastest
+    enqueue building and quoting parameters (docs/prototype-performance.md: COPY is the fastest
     way in); elsewhere with bulk_create.
     """
     connection = connections[using]
@@ -181,7 +181,7 @@ def _job_changes(rec: AttemptRecord, now: datetime) -> dict[str, Any]:
 # its worker lost the job (its ack was or will be refused), and a late result
 # is noted in the error instead of rewriting history.
 #
-# PostgreSQL: one statement per table per batch (PERF-NOTES: per-row
+# PostgreSQL: one statement per table per batch (docs/prototype-performance.md: per-row
 # statements cap the drain at a few hundred jobs/s); fencing is in the WHERE
 # clause, as in the ORM path. Each column travels as ONE text value, joined
 # with the unit separator (U+001F) and split by string_to_array() on the

@@ -28,7 +28,7 @@ class JobState(models.TextChoices):
 #: States in which the job still has to run: reconcile watches these.
 UNFINISHED_STATES = (JobState.SCHEDULED, JobState.QUEUED, JobState.RUNNING)
 
-#: DESIGN.md's mapping onto Django's task statuses.
+#: docs/design.md's mapping onto Django's task statuses.
 TASK_STATUS = {
     JobState.SCHEDULED: TaskResultStatus.READY,
     JobState.QUEUED: TaskResultStatus.READY,

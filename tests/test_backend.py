@@ -2,7 +2,7 @@
 
 No worker runs here: jobs are enqueued, and their rows are moved by hand to
 each state to check what ``get_result()`` reports. Redis keys are spelled
-out literally, as DESIGN.md's key table fixes them (default prefix ``rj``).
+out literally, as docs/design.md's key table fixes them (default prefix ``rj``).
 """
 
 from __future__ import annotations
@@ -508,7 +508,7 @@ def test_task_get_result_of_another_tasks_job_raises_mismatch(
         test_tasks.calculate_meaning_of_life.get_result(result.id)
 
 
-# -- status mapping (DESIGN.md: States) -----------------------------------------
+# -- status mapping (docs/design.md: States) -----------------------------------------
 
 
 @pytest.mark.django_db
@@ -531,7 +531,7 @@ def test_each_job_state_maps_to_its_django_status(
     Job.objects.filter(pk=result.id).update(state=state)
 
     # When: its result is read
-    # Then: the status is the one DESIGN.md maps it to
+    # Then: the status is the one docs/design.md maps it to
     assert backend.get_result(result.id).status == status
 
 

@@ -1,4 +1,4 @@
-"""Key names: exactly DESIGN.md's table, and only from names that fit in a hash tag."""
+"""Key names: exactly docs/design.md's table, and only from names that fit in a hash tag."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from redis.crc import key_slot
 
 from reliable_jobs.keys import QueueKeys, is_valid_queue_name, worker_key, workers_index
 
-#: DESIGN.md's "Redis keys" table for a queue Q under the default prefix.
+#: docs/design.md's "Redis keys" table for a queue Q under the default prefix.
 DESIGN_TABLE = {
     "queued": "rj:{Q}:queued",
     "processing": "rj:{Q}:processing",
@@ -34,7 +34,7 @@ def test_queue_keys_match_the_design_table() -> None:
     # Given the keys of queue "Q" under the default prefix
     keys = QueueKeys("rj", "Q")
 
-    # Then each key is spelled exactly as DESIGN.md's table says
+    # Then each key is spelled exactly as docs/design.md's table says
     assert {name: getattr(keys, name) for name in DESIGN_TABLE} == DESIGN_TABLE
     assert keys.job("0b6c3f8e-1a2b") == "rj:{Q}:job:0b6c3f8e-1a2b"
     assert keys.job_prefix == "rj:{Q}:job:"
