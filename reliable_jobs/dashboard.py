@@ -2,9 +2,11 @@
 
 Queue counts and workers come live from Redis (list lengths and heartbeats);
 throughput comes from the ``Attempt`` rows of the last hour; drift compares
-the two sides the way reconcile does. Every part is bounded, so the page
+the two sides the way reconcile does. A sharded queue is one line: the sum
+of every shard a worker drains (see :func:`shards_of`), and each row is
+checked on the shard it names. Every part is bounded, so the page
 costs the same with a thousand jobs or a million: a few pipelined Redis
-calls, one grouped query on an index, and at most ``DRIFT_SCAN`` rows
+calls per shard, one grouped query on an index, and at most ``DRIFT_SCAN`` rows
 checked.
 
 A part whose server does not answer is reported as such, not raised: the
@@ -24,6 +26,7 @@ from django.db.models import Count
 from django.db.models.functions import TruncMinute
 from django.utils import timezone
 
+from .keys import logical_queue, shard_queue
 from .models import FAILED_OUTCOMES, UNFINISHED_STATES, Attempt, AttemptOutcome, Job, JobState
 
 if TYPE_CHECKING:
@@ -140,13 +143,27 @@ def queues_of(backend: ReliableJobsBackend) -> list[str]:
     return sorted(backend.queues)
 
 
+def shards_of(backend: ReliableJobsBackend) -> dict[str, list[str]]:
+    """Each configured queue and its physical queues, as the workers drain them.
+
+    The shards are the configured ones plus every shard ever written to
+    (``Broker.physical_queues``, the same call the sweep makes): jobs left
+    on a shard after SHARDS shrank are still there to count. An unsharded
+    queue is its own single shard.
+    """
+    grouped: dict[str, list[str]] = {queue: [] for queue in queues_of(backend)}
+    for physical in backend.broker.physical_queues(grouped, backend.config.SHARDS):
+        grouped[logical_queue(physical)].append(physical)
+    return grouped
+
+
 def queue_counts(backend: ReliableJobsBackend) -> list[QueueLine]:
-    """Live list and set sizes of each configured queue."""
+    """Live list and set sizes of each configured queue, summed over its shards."""
     lines = []
-    for queue in queues_of(backend):
-        counts = backend.broker.counts(queue)
-        lines.append(QueueLine(queue, counts.queued, counts.running, counts.scheduled,
-                               counts.dead))
+    for queue, physical in shards_of(backend).items():
+        counts = [backend.broker.counts(shard) for shard in physical]
+        lines.append(QueueLine(queue, *(sum(getattr(c, f) for c in counts)
+                                        for f in ("queued", "running", "scheduled", "dead"))))
     return lines
 
 
@@ -200,21 +217,23 @@ def drift(backend: ReliableJobsBackend, *, limit: int = DRIFT_SCAN) -> Drift:
 
     Those are where drift shows first (a healthy job's row changes as it
     moves). One range scan of the (state, updated_at) index per unfinished
-    state, then one pipelined ``HMGET`` per queue and batch. Read-only:
+    state, then one pipelined ``HMGET`` per shard and batch (a row is
+    looked up on the shard it names, as reconcile does). Read-only:
     repairing drift is reconcile's job.
     """
     config = backend.config
     older_than = timezone.now() - timedelta(milliseconds=config.RECONCILE_GRACE_MS)
-    rows: list[tuple[datetime, Any, str]] = []
+    rows: list[tuple[datetime, Any, str, int]] = []
     for state in UNFINISHED_STATES:
         rows += (Job.objects.using(config.DATABASE)
                  .filter(backend=backend.alias, state=state, updated_at__lt=older_than)
-                 .order_by("updated_at").values_list("updated_at", "pk", "queue")[:limit + 1])
+                 .order_by("updated_at")
+                 .values_list("updated_at", "pk", "queue", "shard")[:limit + 1])
     rows.sort()
     complete = len(rows) <= limit
     by_queue: dict[str, list[str]] = {}
-    for _, pk, queue in rows[:limit]:
-        by_queue.setdefault(queue, []).append(str(pk))
+    for _, pk, queue, shard in rows[:limit]:
+        by_queue.setdefault(shard_queue(queue, shard), []).append(str(pk))
     missing: list[str] = []
     dead: list[str] = []
     for queue, ids in by_queue.items():

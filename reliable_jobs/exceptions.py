@@ -1,4 +1,10 @@
-"""Exceptions task code raises to steer retries, and the ones the app raises."""
+"""Exceptions task code raises to steer retries, and the ones the app raises.
+
+The app's own classes are also recorded by path (``module.Class: message``)
+in errors it writes for attempts no task code ended; Django's
+``TaskError.exception_class`` imports that path, so it must name a class
+here. :func:`class_path` builds the path from the class, never by hand.
+"""
 
 from __future__ import annotations
 
@@ -44,3 +50,21 @@ class LeaseExpired(Exception):
 
 class JobTimeout(Exception):
     """Recorded for an attempt that ran past its task's ``timeout_ms``."""
+
+
+class AttemptsExhausted(Exception):
+    """Recorded for a job claimed ``max_attempts`` times without ever finishing.
+
+    Each of those attempts was lost (its worker died or its lease expired
+    before a result came back), so the next claim found no attempt left and
+    buried the job instead of running it again.
+    """
+
+
+def class_path(exc_type: type[BaseException]) -> str:
+    """The dotted path ``TaskError.exception_class`` imports ``exc_type`` back from.
+
+    Built from the class so a rename cannot leave recorded errors pointing
+    at a name that no longer exists.
+    """
+    return f"{exc_type.__module__}.{exc_type.__qualname__}"

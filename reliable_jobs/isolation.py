@@ -8,6 +8,18 @@ attempt fails with :class:`JobTimeout`. A child that dies on its own (a task
 that calls ``os._exit`` or crashes the interpreter) fails only its attempt.
 
 Only JSON crosses the pipe: the payload text in, a JSON reply out.
+
+Neither the forkserver nor a child may outlive the worker: a SIGKILLed
+worker's jobs are recovered by another worker, and a child still running
+would run the same job at the same time. So each asks Linux for SIGKILL when
+its parent dies (:mod:`reliable_jobs.lifetime`): the forkserver when the
+worker dies, each child when the forkserver dies. Linux ties that signal to
+the parent *thread*, and the forkserver is started lazily by whichever
+thread first needs it: were that an executor thread, its exit (a worker
+shutting down thread by thread) would kill the forkserver and every attempt
+still running in it. So one daemon thread, alive as long as the process,
+starts the forkserver (:func:`_ensure_forkserver`). The child's ``SIGALRM``
+stays as a last resort (off Linux, the only one).
 """
 
 from __future__ import annotations
@@ -15,15 +27,67 @@ from __future__ import annotations
 import json
 import math
 import multiprocessing
+import multiprocessing.forkserver
+import os
+import queue
 import signal
+import sys
+import threading
 import traceback
+from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import Any
 
 from .exceptions import JobTimeout, PermanentFailure, RetryLater
+from .lifetime import die_with_parent
 
 _context = multiprocessing.get_context("forkserver")
 _context.set_forkserver_preload(["reliable_jobs._child_boot"])
+
+#: Environment variable giving the forkserver the pid of the worker that
+#: started it, so it can tell whether that worker died before prctl ran.
+FORKSERVER_PARENT_ENV = "RELIABLE_JOBS_FORKSERVER_PARENT"
+#: Seconds to wait for the forkserver to be started (it only spawns a process).
+FORKSERVER_START_TIMEOUT_S = 30.0
+
+_starter_lock = threading.Lock()
+_starter: threading.Thread | None = None
+_start_requests: queue.SimpleQueue[Future[None]] = queue.SimpleQueue()
+
+
+def _start_forkservers() -> None:
+    """The starter thread: start (or restart) the forkserver on each request.
+
+    It never exits before its process does, so the forkserver's
+    ``PR_SET_PDEATHSIG`` fires only when the worker itself dies.
+    """
+    while True:
+        request = _start_requests.get()
+        try:
+            if os.environ.get(FORKSERVER_PARENT_ENV) != str(os.getpid()):
+                os.environ[FORKSERVER_PARENT_ENV] = str(os.getpid())  # set once: putenv races
+            multiprocessing.forkserver.ensure_running()
+        except BaseException as exc:
+            request.set_exception(exc)
+        else:
+            request.set_result(None)
+
+
+def _ensure_forkserver() -> None:
+    """Have the starter thread make sure the forkserver runs; start that thread if needed.
+
+    ``Process.start()`` checks the forkserver again, from the calling thread:
+    only a forkserver killed in between would be restarted by that thread.
+    """
+    global _starter
+    with _starter_lock:
+        if _starter is None or not _starter.is_alive():  # not alive in a forked copy
+            _starter = threading.Thread(target=_start_forkservers,
+                                        name="rj-forkserver-starter", daemon=True)
+            _starter.start()
+    request: Future[None] = Future()
+    _start_requests.put(request)
+    request.result(timeout=FORKSERVER_START_TIMEOUT_S)
 
 
 class ChildFailed(Exception):
@@ -45,6 +109,7 @@ def run_in_child(*, payload_text: str, job_id: str, attempt: int, worker_id: str
 
     Raises JobTimeout, ChildDied, RetryLater, PermanentFailure or ChildFailed.
     """
+    _ensure_forkserver()
     receiver, sender = _context.Pipe(duplex=False)
     child = _context.Process(
         target=_child_main,
@@ -80,8 +145,12 @@ def run_in_child(*, payload_text: str, job_id: str, attempt: int, worker_id: str
 def _child_main(sender: Connection, payload_text: str, job_id: str, attempt: int,
                 worker_id: str, backend: str, queue: str, timeout_s: float) -> None:
     """The child: resolve the task from the allow-list, run it, answer in JSON."""
-    # If the worker itself dies, nobody would kill this child: SIGALRM's
-    # default action ends it a second after its limit all the same.
+    # Die with the forkserver, which dies with the worker (see the module
+    # docstring); the forkserver recorded its pid before forking this child.
+    boot = sys.modules.get("reliable_jobs._child_boot")
+    die_with_parent(getattr(boot, "FORKSERVER_PID", None), signal.SIGKILL)
+    # Should that fail (not Linux), SIGALRM's default action still ends this
+    # child a second after its limit.
     signal.alarm(math.ceil(timeout_s) + 1)
     from django.tasks import TaskContext, TaskResult, TaskResultStatus
     from django.utils.json import normalize_json

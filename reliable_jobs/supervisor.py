@@ -54,7 +54,6 @@ left running unsupervised.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import select
@@ -68,6 +67,8 @@ from typing import Any
 
 from django.core.management.base import CommandError
 
+from .lifetime import die_with_parent
+
 logger = logging.getLogger("reliable_jobs.supervisor")
 
 #: Seconds before restarting a child that died; doubles while it keeps dying.
@@ -76,8 +77,6 @@ RESTART_DELAY_S = 0.5
 RESTART_DELAY_MAX_S = 30.0
 #: Seconds a child must stay up for its next restart to wait only RESTART_DELAY_S.
 STABLE_AFTER_S = 10.0
-#: prctl(2) option: the signal a child gets when its parent dies (Linux).
-PR_SET_PDEATHSIG = 1
 #: Signals that stop the supervisor, forwarded to every child.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -114,10 +113,7 @@ def signal_when_parent_dies(parent_pid: int, signum: int) -> Callable[[], None] 
         return None
 
     def preexec() -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signum)
-        if os.getppid() != parent_pid:  # the parent died before prctl ran
-            os._exit(1)
+        die_with_parent(parent_pid, signum)
 
     return preexec
 

@@ -14,9 +14,10 @@ from django.core.management import CommandError, call_command
 from django.test import Client
 from django.utils import timezone
 
-from reliable_jobs import dashboard
-from reliable_jobs.backend import ReliableJobsBackend
-from reliable_jobs.keys import QueueKeys
+from reliable_jobs import dashboard, mirror, payload
+from reliable_jobs.backend import ReliableJobsBackend, mirror_job
+from reliable_jobs.broker import NewJob
+from reliable_jobs.keys import QueueKeys, shard_queue
 from reliable_jobs.models import Attempt, AttemptOutcome, Job, JobState
 from testproject.demo import tasks as demo
 
@@ -122,6 +123,81 @@ def test_a_worker_killed_without_goodbye_is_not_listed(
 
     # Then
     assert dashboard.workers(backend) == []
+
+
+# -- sharded queues ----------------------------------------------------------------
+
+
+def enqueue_on_shard(backend: ReliableJobsBackend, queue: str, shard: int,
+                     run_after: Any = None) -> str:
+    """Enqueue ``demo.noop`` on one chosen shard, as ``backend.enqueue`` does on a random one."""
+    task = demo.noop.using(queue_name=queue, run_after=run_after)
+    job = mirror_job(backend.alias, task, (), {}, max_attempts=3, now=timezone.now(),
+                     shard=shard)
+    mirror.insert_job(backend.database, job)
+    text = payload.encode(task.module_path, (), {}, max_bytes=backend.config.MAX_PAYLOAD_BYTES)
+    due_ms = int(run_after.timestamp() * 1000) if run_after else 0
+    assert backend.broker.enqueue(shard_queue(queue, shard),
+                                  [NewJob(str(job.id), text, 3, due_ms=due_ms)]) == 1
+    return str(job.id)
+
+
+def test_a_sharded_queue_counts_every_shard_on_one_line(
+    rj_settings: Callable[..., dict[str, str]], admin_client: Client
+) -> None:
+    # Given: queue "q" in 3 shards: shard 0 has 1 queued; shard 1 has 2 queued and
+    # 1 running; shard 2 has 1 scheduled and 1 dead; and shard 3, written to
+    # before SHARDS shrank to 3, still holds 1 queued
+    rj_settings(queues=["q"], SHARDS={"q": 3})
+    backend = configured_backend()
+    enqueue_on_shard(backend, "q", 0)
+    running = enqueue_on_shard(backend, "q", 1)
+    run_attempt(backend, running, outcome="running", queue="q#1")
+    enqueue_on_shard(backend, "q", 1)
+    enqueue_on_shard(backend, "q", 1)
+    dead = enqueue_on_shard(backend, "q", 2)
+    make_dead(backend, dead, attempts=1, queue="q#2")
+    enqueue_on_shard(backend, "q", 2, run_after=timezone.now() + timedelta(hours=1))
+    enqueue_on_shard(backend, "q", 3)
+
+    # When
+    lines = dashboard.queue_counts(backend)
+    text = admin_client.get(DASHBOARD).content.decode()
+
+    # Then: one line for "q", every shard summed, on the page and in jobstats
+    assert lines == [dashboard.QueueLine("q", 4, 1, 1, 1)]
+    assert '<td class="num rj-queued">4</td>' in text
+    assert '<td class="num rj-running">1</td>' in text
+    assert "q#" not in text
+    assert "q              4          1          1          1" in stats()
+
+
+def test_healthy_jobs_on_any_shard_are_not_drift(
+    rj_settings: Callable[..., dict[str, str]], admin_client: Client, redis_client: redis.Redis
+) -> None:
+    # Given: old unchanged rows of healthy jobs on shards 0, 1 and 2 (queued and
+    # running), and one on shard 2 whose hash Redis lost
+    rj_settings(queues=["q"], SHARDS={"q": 3}, RECONCILE_GRACE_MS=60_000)
+    backend = configured_backend()
+    running = enqueue_on_shard(backend, "q", 1)
+    run_attempt(backend, running, outcome="running", queue="q#1")
+    healthy = [running, enqueue_on_shard(backend, "q", 0), enqueue_on_shard(backend, "q", 1),
+               enqueue_on_shard(backend, "q", 2)]
+    lost = enqueue_on_shard(backend, "q", 2)
+    redis_client.delete(QueueKeys("rj", "q#2").job(lost))
+    for job_id in [*healthy, lost]:
+        age(job_id, minutes=5)
+
+    # When
+    found = dashboard.drift(backend)
+
+    # Then: only the lost job disagrees, on the dashboard, the changelist filter and jobstats
+    assert (found.missing, found.dead_in_redis, found.checked) == ([lost], [], 5)
+    assert "1 job disagrees" in admin_client.get(DASHBOARD).content.decode()
+    listed = admin_client.get(CHANGELIST, {"drift": "default"}).context["cl"].result_list
+    assert [str(job.pk) for job in listed] == [lost]
+    assert "Drift: 1 of 5 unfinished jobs checked disagree with Redis: 1 missing from " \
+           "Redis, 0 dead in Redis only." in stats()
 
 
 # -- throughput ------------------------------------------------------------------

@@ -101,3 +101,20 @@ def crash_worker() -> None:
     import os
 
     os._exit(13)
+
+
+@task(timeout_ms=60_000, max_attempts=1)
+def report_pid_then_sleep(pid_file: str, seconds: float) -> float:
+    """Write this attempt's process id to ``pid_file``, then sleep.
+
+    A test finds the isolated child by that file, kills its worker, and
+    checks that the child does not outlive it.
+    """
+    import os
+
+    partial = f"{pid_file}.partial"
+    with open(partial, "w") as out:
+        out.write(str(os.getpid()))
+    os.replace(partial, pid_file)  # the test never reads a half-written pid
+    time.sleep(seconds)
+    return seconds

@@ -19,7 +19,8 @@ RECENT_MINUTES = 10
 class Command(BaseCommand):
     help = (
         "Print, for one task backend, what the admin's live dashboard shows: per queue the "
-        "jobs queued, running, scheduled and dead (live from Redis), the workers alive, "
+        "jobs queued, running, scheduled and dead (live from Redis, every shard of a sharded "
+        "queue summed), the workers alive, "
         "attempts succeeded and failed per minute over the last hour, and how many jobs "
         "Redis and the database disagree on. Exits with status 1 when a server did not "
         "answer, so it can serve as a health check."
