@@ -167,6 +167,8 @@ class Fault:
     name: str
     at_s: float
     detail: str
+    #: ``time.time()`` when it happened, to line it up with the ledger and the logs.
+    wall: float = 0.0
 
 
 @dataclass
@@ -623,8 +625,8 @@ class ChaosRun:
         keys = int(client.dbsize())
         client.flushdb()
         detail = f"at {at_s:.1f} s: {keys:,} keys dropped, {unfinished:,} jobs unfinished"
-        self.faults.append(Fault(FLUSH_FAULT, at_s, detail))
-        self.out(f"chaosjobs: FLUSHDB {detail}")
+        self.faults.append(Fault(FLUSH_FAULT, at_s, detail, time.time()))
+        self.out(f"chaosjobs: FLUSHDB {detail} ({chaos_ledger.clock(time.time())} UTC)")
 
     def _cut_postgres(self, at_s: float, ids: list[str]) -> None:
         assert self._proxy is not None
@@ -632,13 +634,14 @@ class ChaosRun:
         unfinished = self._unfinished(ids)
         detail = (f"at {at_s:.1f} s for {self.config.cut_postgres_for_s:g} s, "
                   f"{unfinished:,} jobs unfinished")
-        self.faults.append(Fault(CUT_FAULT, at_s, detail))
-        self.out(f"chaosjobs: PostgreSQL cut off {detail}")
+        self.faults.append(Fault(CUT_FAULT, at_s, detail, time.time()))
+        self.out(f"chaosjobs: PostgreSQL cut off {detail} ({chaos_ledger.clock(time.time())} UTC)")
 
     def _restore_postgres(self, at_s: float) -> None:
         assert self._proxy is not None
         self._proxy.restore()
-        self.out(f"chaosjobs: PostgreSQL reachable again at {at_s:.1f} s")
+        self.out(f"chaosjobs: PostgreSQL reachable again at {at_s:.1f} s "
+                 f"({chaos_ledger.clock(time.time())} UTC)")
 
     def _kill_one(self, fleet: Fleet) -> None:
         alive = [slot for slot in self.slots if slot.proc.poll() is None]
@@ -774,6 +777,8 @@ class ChaosRun:
         report.evidence = chaos_ledger.evidence(findings, self.deaths)
         lines = [f"kill: worker {kill.worker_id} pid {kill.pid} dead at "
                  f"{chaos_ledger.clock(kill.died_at)}" for kill in self.kills]
+        lines += [f"fault: {fault.name} {fault.detail} ({chaos_ledger.clock(fault.wall)} UTC)"
+                  for fault in self.faults]
         (self.log_dir / "ledger-findings.txt").write_text(
             "\n".join([*lines, *chaos_ledger.evidence(findings, self.deaths, limit=10**9)])
             + "\n")
