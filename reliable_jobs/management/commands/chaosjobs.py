@@ -54,7 +54,10 @@ class Command(BaseCommand):
                                  "worker dies (default: %(default)r).")
         parser.add_argument("--task", default=DEFAULT_TASK,
                             help="Registered task to enqueue; it is called with one argument, "
-                                 "the seconds to sleep (default: %(default)r).")
+                                 "the seconds to sleep, plus fail_attempts=1 or give_up=True "
+                                 "for planned failures. The default writes the execution "
+                                 "ledger; a task that does not is not checked by it "
+                                 "(default: %(default)r).")
         parser.add_argument("--fail-percent", type=float, default=defaults.fail_percent,
                             help="Percent of jobs planned to fail their first attempt, then "
                                  "succeed on a retry (default: %(default)r).")
