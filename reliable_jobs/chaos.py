@@ -9,6 +9,17 @@ than once, and the worst time from a SIGKILL until a job the dead worker held
 started again (about ``LEASE_MS`` + ``SWEEP_INTERVAL_MS``, plus the wait behind
 the jobs its next worker had already prefetched).
 
+Beyond the queue's own records, the run keeps an execution ledger
+(:mod:`reliable_jobs.chaos_ledger`): the chaos task writes every run of its
+body (job, attempt, pid, start, end, outcome) into files the queue never
+touches, and the run checks it against the pids it killed and the mirror's
+final states: no two runs of one job overlapping in time, no job re-run
+unless a kill or a retryable failure explains it, no job ending in a state
+its last run contradicts. Two server faults can join the kills: the
+backend's Redis database emptied (FLUSHDB, as a restart without persistence
+leaves it) and PostgreSQL cut off from every child through a TCP proxy the
+run owns (:mod:`reliable_jobs.netfaults`).
+
 Which jobs a killed worker held comes from two places: its attempt rows
 (jobs it started) and its last heartbeat, checked against Redis just before
 the kill (jobs it had claimed, started or not). A heartbeat is up to a third
@@ -37,12 +48,17 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit, urlunsplit
 
+import redis
 from django.conf import settings
+from django.db import connections
 from django.tasks import Task
 from django.utils import timezone
 
+from . import chaos_ledger
 from .models import Attempt, AttemptOutcome, Job, JobState
+from .netfaults import CuttableProxy
 from .supervisor import signal_when_parent_dies
 from .tasks import discover, lookup
 
@@ -51,7 +67,7 @@ if TYPE_CHECKING:
 
 #: The task a chaos run enqueues unless told otherwise: it sleeps, so jobs
 #: are running (not just queued) when their worker is killed.
-DEFAULT_TASK = "testproject.demo.tasks.sleep_for"
+DEFAULT_TASK = "testproject.demo.tasks.chaos_job"
 #: Seconds the sweep process waits between passes.
 SWEEP_INTERVAL_S = 0.5
 #: Seconds a worker gets to finish its jobs once the run stops it (``--grace``).
@@ -66,6 +82,9 @@ POLL_S = 0.5
 ID_CHUNK = 500
 #: Outcomes of an attempt that the task itself caused: not a crash.
 TASK_FAILURES = (AttemptOutcome.FAILED, AttemptOutcome.TIMED_OUT)
+#: Report rows of the two server faults.
+FLUSH_FAULT = "Redis restarted empty (FLUSHDB)"
+CUT_FAULT = "PostgreSQL cut off (TCP proxy)"
 
 
 class ChaosError(Exception):
@@ -92,6 +111,16 @@ class ChaosConfig:
     task_path: str = DEFAULT_TASK
     #: ``-v`` given to the child processes (per-job log lines from 1).
     child_verbosity: int = 0
+    #: Percent of jobs planned to fail their first attempt (then retried), and
+    #: to give up (``PermanentFailure``: dead); the task must accept the
+    #: keyword arguments ``fail_attempts`` and ``give_up``.
+    fail_percent: float = 0.0
+    give_up_percent: float = 0.0
+    #: Seconds into the chaos to FLUSHDB the backend's Redis database (None: never).
+    flush_redis_at_s: float | None = None
+    #: Seconds into the chaos to cut PostgreSQL off, and for how long (None: never).
+    cut_postgres_at_s: float | None = None
+    cut_postgres_for_s: float = 3.0
 
     def problems(self) -> list[str]:
         """Each flag that is out of range, as a whole sentence."""
@@ -99,13 +128,20 @@ class ChaosConfig:
         for name, value, minimum in (("--jobs", self.jobs, 1), ("--workers", self.workers, 1),
                                      ("--concurrency", self.concurrency, 1),
                                      ("--task-ms", self.task_ms, 0),
-                                     ("--duration", self.duration_s, 0)):
+                                     ("--duration", self.duration_s, 0),
+                                     ("--fail-percent", self.fail_percent, 0),
+                                     ("--give-up-percent", self.give_up_percent, 0),
+                                     ("--flush-redis-at", self.flush_redis_at_s or 0, 0),
+                                     ("--cut-postgres-at", self.cut_postgres_at_s or 0, 0)):
             if value < minimum:
                 found.append(f"{name} must be at least {minimum}, not {value}.")
         for name, value in (("--kill-every", self.kill_every_s),
-                            ("--drain-timeout", self.drain_timeout_s)):
+                            ("--drain-timeout", self.drain_timeout_s),
+                            ("--cut-postgres-for", self.cut_postgres_for_s)):
             if value <= 0:
                 found.append(f"{name} must be a positive number of seconds, not {value}.")
+        if self.fail_percent + self.give_up_percent > 100:
+            found.append("--fail-percent and --give-up-percent add up to more than 100.")
         return found
 
 
@@ -119,6 +155,20 @@ class Kill:
     #: that Redis still showed running just before the kill: this covers the
     #: jobs it had claimed but not started, which leave no attempt row.
     held: dict[str, int]
+    pid: int = 0
+    #: ``time.time()`` once the process was reaped: the end of its unfinished runs.
+    died_at: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """A server fault the run caused: what, when (seconds into the chaos), what it hit."""
+
+    name: str
+    at_s: float
+    detail: str
+    #: ``time.time()`` when it happened, to line it up with the ledger and the logs.
+    wall: float = 0.0
 
 
 @dataclass
@@ -154,6 +204,16 @@ class ChaosReport:
     drain_s: float | None = None
     log_dir: str = ""
     leftovers: str = ""
+    planned_failures: int = 0
+    planned_give_ups: int = 0
+    #: Dead jobs whose row keeps no error: a death nobody can explain.
+    dead_without_error: int = 0
+    #: The ledger's verdict; None when the task wrote no ledger (another ``--task``).
+    ledger: chaos_ledger.Findings | None = None
+    #: One line per ledger finding: job, runs, pids, times.
+    evidence: list[str] = field(default_factory=list)
+    #: Fault name -> what happened ("off" when not asked for).
+    faults: dict[str, str] = field(default_factory=dict)
 
     @property
     def lost(self) -> int:
@@ -161,7 +221,8 @@ class ChaosReport:
 
     @property
     def ok(self) -> bool:
-        return self.lost == 0 and self.drain_s is not None
+        return (self.lost == 0 and self.drain_s is not None and self.dead_without_error == 0
+                and (self.ledger is None or self.ledger.clean))
 
     def table(self) -> str:
         """A Markdown table, ready for the README."""
@@ -171,17 +232,34 @@ class ChaosReport:
         def seconds(value: float | None) -> str:
             return "-" if value is None else f"{value:.2f} s"
 
+        ledger = self.ledger
+
+        def ledger_count(count: int) -> str:
+            return "-" if ledger is None else f"**{count:,}**"
+
         rows = [
             ("jobs enqueued", f"{self.enqueued:,}"),
             ("succeeded", f"{self.succeeded:,}"),
             ("dead", f"{self.dead:,}"),
             ("**lost (must be 0)**", f"**{self.lost:,}**"),
+            ("planned to fail once / to give up", f"{self.planned_failures:,} / "
+                                                  f"{self.planned_give_ups:,}"),
+            ("dead with no error kept (must be 0)", f"{self.dead_without_error:,}"),
+            ("runs in the execution ledger",
+             "- (the task keeps none)" if ledger is None else f"{ledger.runs:,}"),
+            ("**ran concurrently (must be 0)**",
+             ledger_count(len(ledger.overlaps) if ledger else 0)),
+            ("**final state differs from the last run's outcome (must be 0)**",
+             ledger_count(len(ledger.wrong_final) if ledger else 0)),
+            ("**re-ran without a crash (must be 0)**",
+             ledger_count(ledger.rerun_jobs if ledger else 0)),
             ("claimed more than once (attempts > 1)", f"{self.claimed_again:,}"),
             ("run more than once (2+ started attempts)", f"{self.ran_again:,}"),
             ("most claims of one job (attempts)", f"{self.max_attempts_seen}"),
             ("most runs of one job (started attempts)",
              f"{self.max_runs_seen} (max_attempts {self.max_attempts_allowed})"),
             ("workers killed (SIGKILL)", f"{self.kills:,}"),
+            *((name, detail) for name, detail in self.faults.items()),
             ("jobs a killed worker held, seen to run again", f"{self.interrupted:,}"),
             ("worst crash-to-rerun", seconds(rerun[-1] if rerun else None)),
             ("median crash-to-rerun", seconds(statistics.median(rerun) if rerun else None)),
@@ -219,10 +297,11 @@ def manage_py() -> list[str]:
 class Fleet:
     """Every process a run starts, each logging to its own file, all stopped at the end."""
 
-    def __init__(self, argv: Sequence[str], log_dir: Path) -> None:
+    def __init__(self, argv: Sequence[str], log_dir: Path,
+                 env: dict[str, str] | None = None) -> None:
         self.argv = list(argv)
         self.log_dir = log_dir
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.env.setdefault("DJANGO_SETTINGS_MODULE", settings.SETTINGS_MODULE)
         self.started: list[subprocess.Popen[bytes]] = []
 
@@ -314,6 +393,13 @@ class ChaosRun:
         self.kills: list[Kill] = []
         self.unexpected_exits = 0
         self._sweep: subprocess.Popen[bytes] | None = None
+        self.ledger_dir = self.log_dir / "ledger"
+        #: Pid of every worker process that died during the run -> when it was
+        #: known dead (``time.time()``): the ledger's end of its unfinished runs.
+        self.deaths: dict[int, float] = {}
+        self.faults: list[Fault] = []
+        self._proxy: CuttableProxy | None = None
+        self._planned = (0, 0)
 
     # -- checks ------------------------------------------------------------
 
@@ -343,6 +429,15 @@ class ChaosRun:
         if self.queue not in self.backend.queues:
             problems.append(f"Queue {self.queue!r} is not in TASKS[{self.backend.alias!r}]"
                             f"['QUEUES'] ({', '.join(sorted(self.backend.queues))}).")
+        if self.config.flush_redis_at_s is not None and not isinstance(
+                self.backend.broker.client, redis.Redis):
+            problems.append("--flush-redis-at needs a single Redis server, not a cluster "
+                            "(FLUSHDB would empty every master).")
+        if self.config.cut_postgres_at_s is not None:
+            try:
+                self._proxied_database_url(0)
+            except ChaosError as exc:
+                problems.append(str(exc))
         if problems:
             raise ChaosError(" ".join(problems))
         broker = self.backend.broker
@@ -357,6 +452,29 @@ class ChaosRun:
                 "unfinished job(s) in the database). Run chaosjobs on an idle queue."
             )
 
+    def _proxied_database_url(self, proxy_port: int) -> tuple[str, str, int]:
+        """``DATABASE_URL`` pointed at a proxy on ``proxy_port``, with the real host and port.
+
+        Children are configured from the environment like this process, so
+        the one way to route them through the proxy without touching their
+        settings is the URL they read. It must name the backend's database,
+        or cutting it would prove nothing.
+        """
+        url = os.environ.get("DATABASE_URL", "")
+        parts = urlsplit(url)
+        db = connections[self.backend.database].settings_dict
+        if (parts.scheme not in {"postgres", "postgresql", "pgsql"} or not parts.hostname
+                or parts.path.lstrip("/") != db["NAME"]):
+            raise ChaosError(
+                "--cut-postgres-at needs DATABASE_URL in the environment, a postgres:// URL "
+                f"with a TCP host naming the backend's database {db['NAME']!r}: the children "
+                "reach PostgreSQL through a proxy by a rewritten DATABASE_URL."
+            )
+        userinfo = parts.netloc.rpartition("@")[0]
+        netloc = (f"{userinfo}@" if userinfo else "") + f"127.0.0.1:{proxy_port}"
+        return (urlunsplit(parts._replace(netloc=netloc)), parts.hostname,
+                parts.port or 5432)
+
     # -- the run -----------------------------------------------------------
 
     def run(self) -> ChaosReport:
@@ -367,28 +485,53 @@ class ChaosRun:
         options = self.backend.config
         self.out(f"chaosjobs: seed {self.seed}; LEASE_MS {options.LEASE_MS} (a killed worker's "
                  f"jobs come back after about that long); logs in {self.log_dir}")
-        fleet = Fleet(manage_py(), self.log_dir)
+        self.ledger_dir.mkdir(parents=True, exist_ok=True)
+        env = {chaos_ledger.LEDGER_ENV: str(self.ledger_dir)}
         ids: list[str] = []
         chaos_s = 0.0
         drain_s: float | None = None
         with interruptible():
             try:
-                self._start_sweep(fleet)
-                for _ in range(cfg.workers):
-                    self.slots.append(self._start_worker(fleet))
-                self._wait_started(fleet)
-                results = self.backend.enqueue_many(
-                    task, (((cfg.task_ms / 1000,), {}) for _ in range(cfg.jobs)))
-                ids = [result.id for result in results]
-                self.out(f"chaosjobs: enqueued {len(ids):,} jobs on queue {self.queue!r}; "
-                         f"killing a worker every {cfg.kill_every_s:g} s for "
-                         f"{cfg.duration_s:g} s")
-                chaos_s = self._chaos(fleet, ids)
-                drain_s = self._drain(fleet, ids)
+                if cfg.cut_postgres_at_s is not None:
+                    _, host, port = self._proxied_database_url(0)
+                    self._proxy = CuttableProxy(port, host)
+                    env["DATABASE_URL"] = self._proxied_database_url(self._proxy.port)[0]
+                    self.out(f"chaosjobs: workers and the sweep reach PostgreSQL through a "
+                             f"proxy on port {self._proxy.port}")
+                fleet = Fleet(manage_py(), self.log_dir, env)
+                try:
+                    self._start_sweep(fleet)
+                    for _ in range(cfg.workers):
+                        self.slots.append(self._start_worker(fleet))
+                    self._wait_started(fleet)
+                    results = self.backend.enqueue_many(task, self._calls())
+                    ids = [result.id for result in results]
+                    self.out(f"chaosjobs: enqueued {len(ids):,} jobs on queue {self.queue!r}; "
+                             f"killing a worker every {cfg.kill_every_s:g} s for "
+                             f"{cfg.duration_s:g} s")
+                    chaos_s = self._chaos(fleet, ids)
+                    drain_s = self._drain(fleet, ids)
+                finally:
+                    if self._proxy is not None:
+                        self._proxy.restore()  # let the workers finish cleanly
+                    fleet.stop_all()
+                    self._forget_killed()
             finally:
-                fleet.stop_all()
-                self._forget_killed()
-        return self._report(ids, chaos_s, drain_s)
+                if self._proxy is not None:
+                    self._proxy.close()
+        return self._report(ids, chaos_s, drain_s, ended_at=time.time())
+
+    def _calls(self) -> list[tuple[tuple[float], dict[str, Any]]]:
+        """Each job's arguments: the sleep, and for a seeded sample a planned failure."""
+        cfg = self.config
+        failing = round(cfg.jobs * cfg.fail_percent / 100)
+        giving_up = round(cfg.jobs * cfg.give_up_percent / 100)
+        planned = random.Random(f"{self.seed}-plan").sample(range(cfg.jobs), failing + giving_up)
+        kwargs: dict[int, dict[str, Any]] = {index: {"fail_attempts": 1}
+                                             for index in planned[:failing]}
+        kwargs.update({index: {"give_up": True} for index in planned[failing:]})
+        self._planned = (failing, giving_up)
+        return [((cfg.task_ms / 1000,), kwargs.get(index, {})) for index in range(cfg.jobs)]
 
     def _start_worker(self, fleet: Fleet) -> Slot:
         self._serial += 1
@@ -426,18 +569,22 @@ class ChaosRun:
         """Kill a random worker every ``kill_every`` s; return how long the chaos lasted.
 
         It ends early once the queue has drained: a kill then interrupts
-        nothing and proves nothing.
+        nothing and proves nothing. It lasts at least until every server
+        fault asked for has happened and ended.
         """
         started = time.monotonic()
-        end = started + self.config.duration_s
+        pending = self._fault_schedule(ids)
+        end = started + max([self.config.duration_s, *(at for at, _ in pending)])
         next_kill = started + self.config.kill_every_s
         next_check = started + 1.0
         while (now := time.monotonic()) < end:
             self._restart_exited(fleet)
+            while pending and now >= started + pending[0][0]:
+                pending.pop(0)[1](now - started)
             if now >= next_kill:
                 self._kill_one(fleet)
                 next_kill += self.config.kill_every_s
-            if now >= next_check:
+            if now >= next_check and not pending:
                 next_check = now + 1.0
                 if self._drained(ids):
                     self.out(f"chaosjobs: the queue drained after {now - started:.1f} s; "
@@ -445,6 +592,56 @@ class ChaosRun:
                     break
             time.sleep(max(0.0, min(0.05, next_kill - time.monotonic())))
         return time.monotonic() - started
+
+    def _fault_schedule(self, ids: list[str]) -> list[tuple[float, Callable[[float], None]]]:
+        """The server faults asked for, as (seconds into the chaos, action), in time order."""
+        cfg = self.config
+        schedule: list[tuple[float, Callable[[float], None]]] = []
+        if cfg.flush_redis_at_s is not None:
+            schedule.append((cfg.flush_redis_at_s, lambda at: self._flush_redis(at, ids)))
+        if cfg.cut_postgres_at_s is not None:
+            schedule.append((cfg.cut_postgres_at_s, lambda at: self._cut_postgres(at, ids)))
+            schedule.append((cfg.cut_postgres_at_s + cfg.cut_postgres_for_s,
+                             self._restore_postgres))
+        return sorted(schedule, key=lambda item: item[0])
+
+    def _unfinished(self, ids: list[str]) -> int:
+        finished = sum(
+            Job.objects.using(self.backend.database).filter(
+                pk__in=chunk, state__in=(JobState.SUCCEEDED, JobState.DEAD)).count()
+            for chunk in _chunks(ids))
+        return len(ids) - finished
+
+    def _flush_redis(self, at_s: float, ids: list[str]) -> None:
+        """Empty the backend's Redis database, as a restart without persistence leaves it.
+
+        FLUSHDB on the backend's own connection empties exactly the database
+        index of its REDIS_URL: queued, running, scheduled and dead lists,
+        job hashes, leases and heartbeats of every queue there. Reconcile must
+        rebuild the unfinished jobs from the mirror.
+        """
+        unfinished = self._unfinished(ids)
+        client = self.backend.broker.client
+        keys = int(client.dbsize())
+        client.flushdb()
+        detail = f"at {at_s:.1f} s: {keys:,} keys dropped, {unfinished:,} jobs unfinished"
+        self.faults.append(Fault(FLUSH_FAULT, at_s, detail, time.time()))
+        self.out(f"chaosjobs: FLUSHDB {detail} ({chaos_ledger.clock(time.time())} UTC)")
+
+    def _cut_postgres(self, at_s: float, ids: list[str]) -> None:
+        assert self._proxy is not None
+        self._proxy.cut()
+        unfinished = self._unfinished(ids)
+        detail = (f"at {at_s:.1f} s for {self.config.cut_postgres_for_s:g} s, "
+                  f"{unfinished:,} jobs unfinished")
+        self.faults.append(Fault(CUT_FAULT, at_s, detail, time.time()))
+        self.out(f"chaosjobs: PostgreSQL cut off {detail} ({chaos_ledger.clock(time.time())} UTC)")
+
+    def _restore_postgres(self, at_s: float) -> None:
+        assert self._proxy is not None
+        self._proxy.restore()
+        self.out(f"chaosjobs: PostgreSQL reachable again at {at_s:.1f} s "
+                 f"({chaos_ledger.clock(time.time())} UTC)")
 
     def _kill_one(self, fleet: Fleet) -> None:
         alive = [slot for slot in self.slots if slot.proc.poll() is None]
@@ -464,7 +661,9 @@ class ChaosRun:
         at = timezone.now()
         slot.proc.kill()
         slot.proc.wait()
-        self.kills.append(Kill(slot.worker_id, at, held))
+        died_at = time.time()
+        self.deaths[slot.proc.pid] = died_at
+        self.kills.append(Kill(slot.worker_id, at, held, pid=slot.proc.pid, died_at=died_at))
         self.slots[self.slots.index(slot)] = self._start_worker(fleet)
 
     def _restart_exited(self, fleet: Fleet) -> None:
@@ -472,6 +671,9 @@ class ChaosRun:
         for index, slot in enumerate(self.slots):
             if slot.proc.poll() is not None:
                 self.unexpected_exits += 1
+                # Dead some time before this poll: a late upper bound, which can
+                # only make the ledger see an overlap that was not there.
+                self.deaths[slot.proc.pid] = time.time()
                 self.out(f"chaosjobs: worker {slot.worker_id} exited by itself with "
                          f"{slot.proc.returncode}:\n{fleet.log_tail(slot.name)}")
                 self.slots[index] = self._start_worker(fleet)
@@ -515,7 +717,8 @@ class ChaosRun:
 
     # -- counting ------------------------------------------------------------
 
-    def _report(self, ids: list[str], chaos_s: float, drain_s: float | None) -> ChaosReport:
+    def _report(self, ids: list[str], chaos_s: float, drain_s: float | None, *,
+                ended_at: float) -> ChaosReport:
         database = self.backend.database
         report = ChaosReport(
             config=self.config, lease_ms=self.backend.config.LEASE_MS,
@@ -523,14 +726,19 @@ class ChaosRun:
             max_attempts_allowed=self.backend.task_option(self.task(), "max_attempts"),
             seed=self.seed, enqueued=len(ids), kills=len(self.kills),
             unexpected_exits=self.unexpected_exits, chaos_s=chaos_s, drain_s=drain_s,
-            log_dir=str(self.log_dir),
+            log_dir=str(self.log_dir), planned_failures=self._planned[0],
+            planned_give_ups=self._planned[1],
         )
         states: Counter[str] = Counter()
+        final_states: dict[str, str] = {}
         attempts: dict[str, list[Attempt]] = defaultdict(list)
         for chunk in _chunks(ids):
-            for state, count_ in Counter(Job.objects.using(database).filter(pk__in=chunk)
-                                         .values_list("state", flat=True)).items():
-                states[state] += count_
+            for pk, state, last_error in Job.objects.using(database).filter(
+                    pk__in=chunk).values_list("pk", "state", "last_error"):
+                final_states[str(pk)] = state
+                states[state] += 1
+                if state == JobState.DEAD and not last_error:
+                    report.dead_without_error += 1
             jobs = Job.objects.using(database).filter(pk__in=chunk)
             report.claimed_again += jobs.filter(attempts__gt=1).count()
             report.max_attempts_seen = max(
@@ -547,9 +755,33 @@ class ChaosRun:
         reruns = rerun_delays(self.kills, attempts)
         report.rerun_s = [delay for _, delay in reruns]
         report.interrupted = len({job_id for job_id, _ in reruns})
+        cfg = self.config
+        report.faults = {
+            FLUSH_FAULT: "off" if cfg.flush_redis_at_s is None else "not reached",
+            CUT_FAULT: "off" if cfg.cut_postgres_at_s is None else "not reached",
+        } | {fault.name: fault.detail for fault in self.faults}
+        self._check_ledger(report, final_states, ended_at)
         if report.lost or drain_s is None:
             report.leftovers = self._leftovers(ids, states)
         return report
+
+    def _check_ledger(self, report: ChaosReport, final_states: dict[str, str],
+                      ended_at: float) -> None:
+        """Read the execution ledger, check it, and keep the evidence next to the logs."""
+        ledger = chaos_ledger.read_ledger(self.ledger_dir)
+        if not ledger.runs:
+            return  # a --task that keeps no ledger: nothing to check
+        findings = chaos_ledger.analyse(ledger, deaths=self.deaths, final_states=final_states,
+                                        ended_at=ended_at)
+        report.ledger = findings
+        report.evidence = chaos_ledger.evidence(findings, self.deaths)
+        lines = [f"kill: worker {kill.worker_id} pid {kill.pid} dead at "
+                 f"{chaos_ledger.clock(kill.died_at)}" for kill in self.kills]
+        lines += [f"fault: {fault.name} {fault.detail} ({chaos_ledger.clock(fault.wall)} UTC)"
+                  for fault in self.faults]
+        (self.log_dir / "ledger-findings.txt").write_text(
+            "\n".join([*lines, *chaos_ledger.evidence(findings, self.deaths, limit=10**9)])
+            + "\n")
 
     def _leftovers(self, ids: list[str], states: Counter[str]) -> str:
         """What is still unfinished: the evidence a bug report needs."""

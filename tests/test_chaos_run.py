@@ -2,8 +2,12 @@
 
 CI's short version of the README's chaos table: two workers, a kill every
 1.5 s for 6 s, 300 jobs of 50 ms (long enough that jobs are running when
-their worker dies). The command itself starts the workers and the sweep, so
-the test runs it as a user would, in a subprocess, and reads its table.
+their worker dies), some planned to fail once or to give up, the Redis
+database emptied at 1.5 s and PostgreSQL cut off from 3 s to 5.5 s. The
+command itself starts the workers and the sweep, so the test runs it as a
+user would, in a subprocess, and reads its table, including the execution
+ledger's three checks (runs of one job at once, re-runs no crash explains,
+final states the last run contradicts).
 """
 
 from __future__ import annotations
@@ -51,26 +55,44 @@ def test_chaos_run_loses_nothing(rj_settings: Any, processes: Processes) -> None
     # no job can die from being held by three killed workers in a row
     env = rj_settings(MAX_ATTEMPTS=10)
 
-    # When: chaosjobs kills a random worker every 1.5 s for 6 s under load
+    # When: chaosjobs kills a random worker every 1.5 s for 6 s under load,
+    # empties Redis once and cuts PostgreSQL off for 2.5 s
     chaos = processes.manage(
         "chaosjobs", "--jobs", "300", "--workers", "2", "--concurrency", "2",
         "--kill-every", "1.5", "--duration", "6", "--task-ms", "50", "--drain-timeout", "40",
-        "--seed", "7", env=env,
+        "--fail-percent", "5", "--give-up-percent", "2", "--flush-redis-at", "1.5",
+        "--cut-postgres-at", "3", "--cut-postgres-for", "2.5", "--seed", "7", env=env,
     )
-    code = chaos.wait(timeout=90)
+    code = chaos.wait(timeout=120)
     output = processes.log(chaos)
 
-    # Then: it exits 0, every job succeeded, none lost, and the kills really
-    # interrupted jobs that then ran again
+    # Then: it exits 0, every job succeeded or is dead with its reason, none
+    # lost, and the kills really interrupted jobs that then ran again
     assert code == 0, output
     assert table_value(output, "jobs enqueued") == "300"
-    assert table_value(output, "succeeded") == "300"
+    assert table_value(output, "planned to fail once / to give up") == "15 / 6"
+    succeeded, dead = int(table_value(output, "succeeded")), int(table_value(output, "dead"))
+    assert (succeeded, dead) == (294, 6), output
     assert table_value(output, "lost (must be 0)") == "0"
+    assert table_value(output, "dead with no error kept (must be 0)") == "0"
     assert int(table_value(output, "workers killed (SIGKILL)")) >= 2
     assert int(table_value(output, "jobs a killed worker held, seen to run again")) >= 1
     assert int(table_value(output, "claimed more than once (attempts > 1)")) >= 1
     assert table_value(output, "worst crash-to-rerun").endswith(" s")
-    assert Job.objects.filter(state="succeeded").count() == 300
+    assert Job.objects.filter(state="succeeded").count() == 294
+    dead_errors = list(Job.objects.filter(state="dead").values_list("last_error", flat=True))
+    assert len(dead_errors) == 6
+    assert all("PermanentFailure: planned: gives up" in error for error in dead_errors), dead_errors
+    # and the server faults happened while jobs were still unfinished
+    assert table_value(output, "Redis restarted empty (FLUSHDB)").startswith("at "), output
+    assert table_value(output, "PostgreSQL cut off (TCP proxy)").startswith("at "), output
+    # and the execution ledger saw every job run, none twice at once, none
+    # again without a crash, none ending other than its last run says
+    assert int(table_value(output, "runs in the execution ledger")) >= 300
+    assert table_value(output, "ran concurrently (must be 0)") == "0", output
+    assert table_value(
+        output, "final state differs from the last run's outcome (must be 0)") == "0", output
+    assert table_value(output, "re-ran without a crash (must be 0)") == "0", output
     # and no worker it started outlives it
     assert processes_named(f"chaos-{chaos.pid}-") == []
 

@@ -19,10 +19,11 @@ from django.utils import timezone
 
 from reliable_jobs.keys import QueueKeys
 from reliable_jobs.models import Attempt, AttemptOutcome, Job, JobState
+from reliable_jobs.netfaults import CuttableProxy
 from testproject.demo import tasks as demo
 
 from .conftest import Processes, wait_until
-from .faultinjection import CuttableProxy, PrivateRedis
+from .faultinjection import PrivateRedis
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow, pytest.mark.crash]
 KEYS = QueueKeys("rj", "default")

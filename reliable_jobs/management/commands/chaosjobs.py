@@ -18,10 +18,14 @@ class Command(BaseCommand):
     help = (
         "Chaos run: start --workers `runworker` processes and a `recoverjobs --interval 0.5` "
         "sweep, enqueue --jobs jobs, SIGKILL a random worker every --kill-every seconds for "
-        "--duration seconds (starting a replacement each time), wait for the queue to drain, "
-        "stop every process it started, and print a table: enqueued, succeeded, dead, lost "
-        "(must be 0), run more than once, worst crash-to-rerun time. Exits 1 if a job was "
-        "lost or the drain timed out. The children use this process's environment and "
+        "--duration seconds (starting a replacement each time), optionally empty Redis "
+        "(--flush-redis-at) and cut PostgreSQL off (--cut-postgres-at), wait for the queue to "
+        "drain, stop every process it started, and print a table: enqueued, succeeded, dead, "
+        "lost (must be 0), run more than once, worst crash-to-rerun time, and what the "
+        "execution ledger (every run of the task, written by the task itself) shows: runs "
+        "of one job at the same time, re-runs no crash explains, final states the last run "
+        "contradicts (each must be 0). Exits 1 if any of these is not 0, a job was lost or "
+        "the drain timed out. The children use this process's environment and "
         "settings. The lease decides recovery: a killed worker's jobs come back after "
         "OPTIONS['LEASE_MS'] (default 30 s), so use short leases for the run; with "
         "testproject set them through RJ_OPTIONS, e.g. RJ_OPTIONS='{\"LEASE_MS\": 2000, "
@@ -50,7 +54,27 @@ class Command(BaseCommand):
                                  "worker dies (default: %(default)r).")
         parser.add_argument("--task", default=DEFAULT_TASK,
                             help="Registered task to enqueue; it is called with one argument, "
-                                 "the seconds to sleep (default: %(default)r).")
+                                 "the seconds to sleep, plus fail_attempts=1 or give_up=True "
+                                 "for planned failures. The default writes the execution "
+                                 "ledger; a task that does not is not checked by it "
+                                 "(default: %(default)r).")
+        parser.add_argument("--fail-percent", type=float, default=defaults.fail_percent,
+                            help="Percent of jobs planned to fail their first attempt, then "
+                                 "succeed on a retry (default: %(default)r).")
+        parser.add_argument("--give-up-percent", type=float, default=defaults.give_up_percent,
+                            help="Percent of jobs planned to raise PermanentFailure: they must "
+                                 "end dead with that reason (default: %(default)r).")
+        parser.add_argument("--flush-redis-at", type=float, default=None, metavar="SECONDS",
+                            help="Seconds into the chaos to empty the backend's Redis database "
+                                 "with FLUSHDB, as a restart without persistence would: every "
+                                 "key of that database index goes, not only the queue's "
+                                 "(default: never).")
+        parser.add_argument("--cut-postgres-at", type=float, default=None, metavar="SECONDS",
+                            help="Seconds into the chaos to cut every child off PostgreSQL "
+                                 "through a TCP proxy (needs DATABASE_URL; default: never).")
+        parser.add_argument("--cut-postgres-for", type=float,
+                            default=defaults.cut_postgres_for_s, metavar="SECONDS",
+                            help="How long PostgreSQL stays cut off (default: %(default)r).")
         parser.add_argument("--seed", type=int, default=None,
                             help="Seed of the choice of victims (default: random, printed).")
         add_queue_and_backend_arguments(parser)
@@ -66,6 +90,10 @@ class Command(BaseCommand):
             duration_s=options["duration"], drain_timeout_s=options["drain_timeout"],
             task_ms=options["task_ms"], seed=options["seed"], queue=options["queue"],
             task_path=options["task"], child_verbosity=max(0, options["verbosity"] - 1),
+            fail_percent=options["fail_percent"], give_up_percent=options["give_up_percent"],
+            flush_redis_at_s=options["flush_redis_at"],
+            cut_postgres_at_s=options["cut_postgres_at"],
+            cut_postgres_for_s=options["cut_postgres_for"],
         )
         run = ChaosRun(backend, config, out=self.stdout.write)
         try:
@@ -76,8 +104,19 @@ class Command(BaseCommand):
             raise CommandError(f"Interrupted by {exc}; every process the run started was "
                                "stopped.") from None
         self.stdout.write("\n" + report.table())
+        if report.evidence:
+            self.stdout.write("\nExecution ledger findings (times UTC):\n"
+                              + "\n".join(report.evidence))
         if not report.ok:
+            ledger = report.ledger
             raise CommandError(
                 ("The queue did not drain within --drain-timeout. " if report.drain_s is None
-                 else "") + f"{report.lost} job(s) lost. {report.leftovers} Logs: {report.log_dir}"
+                 else "") + f"{report.lost} job(s) lost. "
+                + (f"{report.dead_without_error} dead job(s) without an error. "
+                   if report.dead_without_error else "")
+                + (f"The execution ledger found {len(ledger.overlaps)} concurrent run pair(s), "
+                   f"{len(ledger.wrong_final)} wrong final state(s), {ledger.rerun_jobs} "
+                   "re-run(s) without a crash (see above and ledger-findings.txt). "
+                   if ledger is not None and not ledger.clean else "")
+                + f"{report.leftovers} Logs: {report.log_dir}"
             )

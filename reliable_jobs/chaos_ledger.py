@@ -1,0 +1,299 @@
+"""The chaos run's execution ledger: every run of the task, written outside the queue.
+
+"Lost = 0" says every job ended; it does not say how it got there. The
+queue's own records (attempt rows, Redis hashes) are written by the code
+under test, so they cannot witness its mistakes: a job run twice at once,
+or run again after it had already succeeded, may leave a perfectly
+consistent history. The ledger is written by the task itself, around its
+body, into plain files the queue never touches, and the chaos run compares
+it with what it knows independently (which processes it killed, and when)
+and with the mirror's final states.
+
+Format: one JSON object per line, in one file per process
+(``<pid>.jsonl``), a ``start`` line before the body and an ``end`` line
+after it with the outcome. Lines are written with one ``write()`` on an
+``O_APPEND`` descriptor and are far shorter than ``PIPE_BUF``, so lines of
+threads of one process never interleave, and a SIGKILL leaves whole lines
+only: the kernel has the bytes once ``write()`` returned, so nothing needs
+flushing and a killed process's last ``start`` survives it. Times are
+``time.time()``: every process runs on one machine, so one clock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import threading
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from .exceptions import PermanentFailure
+
+#: Environment variable naming the ledger directory; unset, nothing is written.
+LEDGER_ENV = "RJ_CHAOS_LEDGER"
+#: Outcomes of an ``end`` line.
+SUCCEEDED = "succeeded"
+#: The body raised an exception the queue retries (until ``max_attempts``).
+FAILED = "failed"
+#: The body raised :class:`PermanentFailure`: the job must end dead, never run again.
+GAVE_UP = "gave_up"
+#: Longest line written; below ``PIPE_BUF`` (4096 on Linux), so each write is atomic.
+MAX_LINE = 1024
+
+_fds: dict[tuple[int, str], int] = {}
+_fds_lock = threading.Lock()
+
+
+def _append(directory: str, record: Mapping[str, object]) -> None:
+    line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+    if len(line) > MAX_LINE:
+        raise ValueError(f"ledger line of {len(line)} bytes; at most {MAX_LINE} are atomic")
+    pid = os.getpid()
+    with _fds_lock:
+        # Keyed by pid as well: a forked child must open its own file.
+        fd = _fds.get((pid, directory))
+        if fd is None:
+            fd = os.open(Path(directory) / f"{pid}.jsonl",
+                         os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            _fds[(pid, directory)] = fd
+    os.write(fd, line)
+
+
+@contextlib.contextmanager
+def ledger_run(job_id: str, attempt: int) -> Iterator[None]:
+    """Record one run of a task body: a ``start`` line now, an ``end`` line with its outcome.
+
+    Does nothing unless :data:`LEDGER_ENV` is set, so the chaos task costs
+    nothing elsewhere. Exceptions pass through unchanged: the ledger only
+    watches.
+    """
+    directory = os.environ.get(LEDGER_ENV)
+    if not directory:
+        yield
+        return
+    base = {"run": uuid.uuid4().hex[:16], "job": job_id, "attempt": attempt,
+            "pid": os.getpid()}
+    _append(directory, {**base, "event": "start", "t": time.time()})
+    outcome = FAILED
+    try:
+        yield
+        outcome = SUCCEEDED
+    except PermanentFailure:
+        outcome = GAVE_UP
+        raise
+    finally:
+        _append(directory, {**base, "event": "end", "t": time.time(), "outcome": outcome})
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """One run of the task body; ``end`` and ``outcome`` are None if its process died in it."""
+
+    run: str
+    job: str
+    attempt: int
+    pid: int
+    start: float
+    end: float | None = None
+    outcome: str | None = None
+
+
+@dataclass(slots=True)
+class Ledger:
+    runs: list[Run] = field(default_factory=list)
+    #: Lines that are not a whole ledger record (should stay 0: writes are atomic).
+    unreadable: int = 0
+
+
+def read_ledger(directory: Path) -> Ledger:
+    """Every run recorded under ``directory``, a start paired with its end by run id."""
+    starts: dict[str, dict[str, Any]] = {}
+    ends: dict[str, dict[str, Any]] = {}
+    unreadable = 0
+    for path in sorted(directory.glob("*.jsonl")):
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                record = json.loads(line)
+                event, run_id = record["event"], record["run"]
+            except (ValueError, KeyError, TypeError):
+                unreadable += 1
+                continue
+            if event == "start":
+                starts[run_id] = record
+            elif event == "end":
+                ends[run_id] = record
+            else:
+                unreadable += 1
+    runs = []
+    for run_id, start in starts.items():
+        end = ends.pop(run_id, None)
+        runs.append(Run(
+            run=run_id, job=str(start["job"]), attempt=int(start["attempt"]),
+            pid=int(start["pid"]), start=float(start["t"]),
+            end=None if end is None else float(end["t"]),
+            outcome=None if end is None else str(end["outcome"]),
+        ))
+    unreadable += len(ends)  # an end without its start
+    return Ledger(runs=sorted(runs, key=lambda r: (r.start, r.run)), unreadable=unreadable)
+
+
+@dataclass(frozen=True, slots=True)
+class Overlap:
+    """Two runs of one job whose time spans intersect."""
+
+    job: str
+    first: Run
+    second: Run
+
+
+@dataclass(frozen=True, slots=True)
+class WrongFinal:
+    """A job whose final mirror state is not what its last completed run implies."""
+
+    job: str
+    state: str
+    expected: str
+    last: Run | None
+
+
+@dataclass(frozen=True, slots=True)
+class RerunWithoutCrash:
+    """A run whose previous run of the same job was neither interrupted nor a retryable failure."""
+
+    job: str
+    previous: Run
+    run: Run
+
+
+@dataclass(slots=True)
+class Findings:
+    runs: int = 0
+    jobs_run: int = 0
+    overlaps: list[Overlap] = field(default_factory=list)
+    wrong_final: list[WrongFinal] = field(default_factory=list)
+    reruns_without_crash: list[RerunWithoutCrash] = field(default_factory=list)
+    #: Runs with no end whose process the run never saw die (a worker can
+    #: only stop mid-body by dying): each is held open to the end of the run.
+    open_runs: list[Run] = field(default_factory=list)
+    unreadable: int = 0
+
+    @property
+    def rerun_jobs(self) -> int:
+        return len({finding.job for finding in self.reruns_without_crash})
+
+    @property
+    def clean(self) -> bool:
+        return not (self.overlaps or self.wrong_final or self.reruns_without_crash)
+
+
+def expected_state(last: Run | None) -> str:
+    """The final state the last completed run implies: only a success may end succeeded.
+
+    A job whose every run was cut short (a task that kills its worker) can
+    only end dead, through ``max_attempts``.
+    """
+    return "succeeded" if last is not None and last.outcome == SUCCEEDED else "dead"
+
+
+def analyse(ledger: Ledger | Iterable[Run], *, deaths: Mapping[int, float],
+            final_states: Mapping[str, str], ended_at: float) -> Findings:
+    """Check the ledger against the process deaths the run caused and the final states.
+
+    ``deaths`` maps the pid of every worker process that died during the run
+    (SIGKILLed by it, or exited by itself) to the time it was known dead;
+    ``final_states`` maps every enqueued job id to its final mirror state;
+    ``ended_at`` is when the run stopped its processes.
+
+    - Concurrent runs: two runs of one job whose spans [start, end]
+      intersect, where a run without an end lasts until its process died
+      (or, if it never died, until ``ended_at``).
+    - Wrong final state: only a job whose last completed run succeeded may
+      end ``succeeded``; any other finished job must be ``dead``. Jobs not
+      finished are the ``lost`` count's business and are skipped.
+    - Re-run without a crash: a run whose previous run of the job (by start
+      time) neither failed retryably nor had its process die between that
+      previous run's start and this run's start (while it ran the job or
+      still held it, unacked). A job first run in a process killed later
+      is excused only for kills inside that window.
+    """
+    runs = list(ledger.runs if isinstance(ledger, Ledger) else ledger)
+    findings = Findings(runs=len(runs),
+                        unreadable=ledger.unreadable if isinstance(ledger, Ledger) else 0)
+    by_job: dict[str, list[Run]] = defaultdict(list)
+    for run in runs:
+        by_job[run.job].append(run)
+    findings.jobs_run = len(by_job)
+
+    def until(run: Run) -> float:
+        if run.end is not None:
+            return run.end
+        return deaths.get(run.pid, ended_at)
+
+    findings.open_runs = [run for run in runs if run.end is None and run.pid not in deaths]
+    for job, job_runs in by_job.items():
+        job_runs.sort(key=lambda r: (r.start, r.run))
+        for index, first in enumerate(job_runs):
+            for second in job_runs[index + 1:]:
+                if second.start < until(first):
+                    findings.overlaps.append(Overlap(job, first, second))
+        for previous, run in itertools.pairwise(job_runs):
+            if previous.outcome == FAILED:
+                continue
+            died = deaths.get(previous.pid)
+            if died is not None and previous.start <= died <= run.start:
+                continue
+            findings.reruns_without_crash.append(RerunWithoutCrash(job, previous, run))
+    for job, state in final_states.items():
+        if state not in ("succeeded", "dead"):
+            continue
+        completed = [run for run in by_job.get(job, ()) if run.end is not None]
+        last = max(completed, key=lambda r: (r.end or 0.0, r.start), default=None)
+        expected = expected_state(last)
+        if state != expected:
+            findings.wrong_final.append(WrongFinal(job, state, expected, last))
+    return findings
+
+
+def clock(t: float | None) -> str:
+    """``HH:MM:SS.mmm`` UTC, the form worker logs can be searched for."""
+    if t is None:
+        return "-"
+    return datetime.fromtimestamp(t, UTC).strftime("%H:%M:%S.%f")[:-3]
+
+
+def describe_run(run: Run, deaths: Mapping[int, float]) -> str:
+    died = deaths.get(run.pid)
+    return (f"attempt {run.attempt} pid {run.pid} {clock(run.start)}-{clock(run.end)} "
+            f"{run.outcome or 'no end'}"
+            + (f" (pid died {clock(died)})" if died is not None else " (pid never killed)"))
+
+
+def evidence(findings: Findings, deaths: Mapping[int, float], *, limit: int = 20) -> list[str]:
+    """One line per finding (at most ``limit`` of each kind): job, runs, pids, times (UTC)."""
+    lines: list[str] = []
+    for overlap in findings.overlaps[:limit]:
+        lines.append(f"ran concurrently: job {overlap.job}: "
+                     f"{describe_run(overlap.first, deaths)} | "
+                     f"{describe_run(overlap.second, deaths)}")
+    for wrong in findings.wrong_final[:limit]:
+        lines.append(f"final state differs: job {wrong.job} is {wrong.state}, its last completed "
+                     f"run says {wrong.expected}: "
+                     + (describe_run(wrong.last, deaths) if wrong.last else "no completed run"))
+    for rerun in findings.reruns_without_crash[:limit]:
+        lines.append(f"re-ran without a crash: job {rerun.job}: "
+                     f"{describe_run(rerun.previous, deaths)} then "
+                     f"{describe_run(rerun.run, deaths)}")
+    for run in findings.open_runs[:limit]:
+        lines.append(f"run with no end in a process never seen dying: job {run.job}: "
+                     f"{describe_run(run, deaths)}")
+    if findings.unreadable:
+        lines.append(f"{findings.unreadable} unreadable ledger line(s)")
+    return lines
