@@ -17,7 +17,6 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
-import redis
 from django.contrib import admin, messages
 from django.contrib.admin import ActionLocation
 from django.core.exceptions import PermissionDenied
@@ -32,6 +31,7 @@ from django.utils.safestring import SafeString
 from django.utils.translation import gettext_lazy as _
 
 from . import changelist, dashboard, staff
+from .broker import REDIS_ERRORS
 from .models import Attempt, Job
 
 #: Jobs one action handles at most per click (each is a transaction and a
@@ -305,7 +305,7 @@ class JobAdmin(ReadOnlyMixin, admin.ModelAdmin):  # type: ignore[type-arg]  # as
                                  f"{job.backend!r}, which is not configured: it was not changed.")
         try:
             return operation(changelist.reliable_backend(job.backend), job.pk)
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             return staff.Outcome(str(job.pk), False, f"Redis did not answer ({exc}): job "
                                  f"{job.pk} was not changed.")
 

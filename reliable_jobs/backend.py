@@ -17,7 +17,6 @@ from datetime import datetime
 from functools import cached_property
 from typing import Any
 
-import redis
 from django.conf import settings
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
@@ -31,7 +30,7 @@ from django.utils import timezone
 from django.utils.module_loading import import_string
 
 from . import conf, mirror, payload
-from .broker import Broker, NewJob
+from .broker import REDIS_ERRORS, Broker, NewJob
 from .keys import is_valid_queue_name
 from .tasks import ReliableTask, lookup
 
@@ -155,10 +154,11 @@ class ReliableJobsBackend(BaseTaskBackend):
         """Push committed jobs; if Redis is down the sweep's reconcile pushes them (G5)."""
         try:
             self.broker.enqueue(queue, jobs)
-        except redis.RedisError as exc:
+        except Exception as exc:
             logger.warning(
                 "Redis refused the push of %d job(s) to queue %r (%s); they are safe in the "
                 "database and the recovery sweep will push them.", len(jobs), queue, exc,
+                exc_info=not isinstance(exc, REDIS_ERRORS),
             )
 
     def validate_task(self, task: Task) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import redis
 from redis.cluster import RedisCluster
 from redis.commands.core import Script
+from redis.exceptions import RedisClusterException
 
 from . import scripts
 from .keys import (
@@ -35,8 +36,18 @@ SOCKET_TIMEOUT_S = 10.0
 SWEEP_BATCH = 1_000
 #: How long a worker that stopped beating stays in the workers index, in ms.
 WORKER_INDEX_KEEP_MS = 3_600_000
-#: Ids at the tail of processing inspected for a missing lease per recover.
-ORPHAN_SCAN = 10_000
+#: Every error a Redis call can raise when the server or the network fails:
+#: the cluster client's own errors are not RedisErrors.
+REDIS_ERRORS: tuple[type[Exception], ...] = (redis.RedisError, RedisClusterException)
+
+#: How long a finished rebuilt job (generation > 0) keeps a tombstone, in ms:
+#: a push of it from before the rebuild that arrives meanwhile is refused.
+TOMBSTONE_MS = 3_600_000
+
+#: A fencing token with the id it guards: (id, attempt, gen). The attempt
+#: counts claims; the generation counts rebuilds from the mirror, so a token
+#: handed out before Redis lost a job never matches one handed out after.
+Fence = tuple[str, int, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,24 +59,31 @@ class NewJob:
     max_attempts: int
     due_ms: int = 0
     attempts: int = 0
+    #: 0 when first enqueued; the mirror's generation when rebuilt.
+    gen: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class ClaimedJob:
-    """A job this worker now holds: ``attempt`` is its fencing token."""
+    """A job this worker now holds: ``attempt`` and ``gen`` are its fencing token."""
 
     queue: str
     id: str
     attempt: int
     max_attempts: int
     payload: str
+    gen: int = 0
+
+    @property
+    def fence(self) -> Fence:
+        return (self.id, self.attempt, self.gen)
 
 
 @dataclass(frozen=True, slots=True)
 class ClaimResult:
     jobs: list[ClaimedJob]
-    #: (id, attempts) of jobs found with no attempt left, now dead.
-    dead: list[tuple[str, int]]
+    #: (id, attempts, gen) of jobs found with no attempt left, now dead.
+    dead: list[Fence]
     #: Ids found on the list with no job hash, moved aside to dead.
     garbage: list[str]
     remaining: int
@@ -75,10 +93,24 @@ class ClaimResult:
 class RecoveredJob:
     id: str
     attempts: int
-    #: 'expired', 'unstarted', 'dead', 'orphan', 'garbage' or 'dropped'; see recover.lua.
+    #: 'settled', 'expired', 'unstarted', 'dead', 'orphan', 'garbage' or
+    #: 'dropped'; see recover.lua.
     kind: str
     #: The job's budget after recovery (an unstarted claim is refunded).
     max_attempts: int = field(default=0, compare=False)
+    gen: int = field(default=0, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Settlement:
+    """An expired attempt whose outcome the mirror holds: finish it as that."""
+
+    id: str
+    attempt: int
+    gen: int
+    #: 'succeeded' or 'dead'.
+    final: str
+    error: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,7 +223,10 @@ class Broker:
     # -- producers -------------------------------------------------------
 
     def enqueue(self, queue: str, jobs: Iterable[NewJob], *, register: bool = False) -> int:
-        """Write jobs and make them runnable; existing job hashes are kept.
+        """Write jobs and make them runnable; return how many were written.
+
+        Existing job hashes are kept, and so are tombstones of the same or a
+        newer generation (see enqueue.lua).
 
         ``queue`` is a physical queue (a shard). A shard other than 0 is
         recorded in its queue's shards index the first time this process
@@ -205,10 +240,11 @@ class Broker:
         k = self.keys(queue)
         args: list[Any] = []
         for job in jobs:
-            args += (job.id, job.payload, job.max_attempts, job.due_ms, job.attempts)
+            args += (job.id, job.payload, job.max_attempts, job.due_ms, job.attempts, job.gen)
         if not args:
             return 0
-        written = int(self._run("enqueue", (k.queued, k.scheduled, k.wake, k.job_prefix), args))
+        written = sum(map(int, self._run("enqueue", (k.queued, k.scheduled, k.wake, k.job_prefix),
+                                         args)))
         self._wake(queue, written)
         return written
 
@@ -217,7 +253,7 @@ class Broker:
     def wait(self, queues: Sequence[str], timeout_s: float) -> tuple[str, str | None] | None:
         """Block until one of ``queues`` has work, for at most ``timeout_s``.
 
-        One queue: ``BLMOVE queued processing`` returns the moved id, which
+        One queue: ``BLMOVE queued landing`` returns the moved id, which
         the caller must stamp with :meth:`claim` (``moved_id``). Several
         queues: one ``BLPOP`` over their wake markers (one connection for
         any number of queues); the caller then claims from the queue named.
@@ -226,7 +262,7 @@ class Broker:
         client = self._blocking_client()
         if len(queues) == 1:
             k = self.keys(queues[0])
-            moved = client.blmove(k.queued, k.processing, timeout_s, "RIGHT", "LEFT")
+            moved = client.blmove(k.queued, k.landing, timeout_s, "RIGHT", "LEFT")
             return (queues[0], moved) if moved is not None else None
         markers = {(wake_marker(self.prefix, q) if self.cluster else self.keys(q).wake): q
                    for q in queues}
@@ -249,61 +285,64 @@ class Broker:
         k = self.keys(queue)
         jobs_flat, dead_flat, garbage, remaining = self._run(
             "claim",
-            (k.queued, k.processing, k.leases, k.dead, k.wake, k.job_prefix),
+            (k.queued, k.processing, k.leases, k.dead, k.wake, k.job_prefix, k.landing),
             (max(count, 1 if moved_id else 0), lease_ms, moved_id or ""),
         )
         jobs = [
             ClaimedJob(queue, jobs_flat[i], int(jobs_flat[i + 1]), int(jobs_flat[i + 2]),
-                       jobs_flat[i + 3])
-            for i in range(0, len(jobs_flat), 4)
+                       jobs_flat[i + 3], int(jobs_flat[i + 4]))
+            for i in range(0, len(jobs_flat), 5)
         ]
-        dead = [(dead_flat[i], int(dead_flat[i + 1])) for i in range(0, len(dead_flat), 2)]
+        dead = [(dead_flat[i], int(dead_flat[i + 1]), int(dead_flat[i + 2]))
+                for i in range(0, len(dead_flat), 3)]
         self._wake(queue, int(remaining))  # work left behind: wake the next idle worker
         return ClaimResult(jobs, dead, list(garbage), int(remaining))
 
-    def start(self, queue: str, held: Sequence[tuple[str, int]]) -> list[bool]:
+    def start(self, queue: str, held: Sequence[Fence]) -> list[bool]:
         """Mark held attempts as started; False where the attempt is no longer held."""
         if not held:
             return []
         k = self.keys(queue)
-        args = [x for job_id, attempt in held for x in (job_id, attempt)]
+        args = [x for fence in held for x in fence]
         return [bool(r) for r in self._run("start", (k.job_prefix,), args)]
 
-    def ack(self, queue: str, held: Sequence[tuple[str, int]]) -> list[bool]:
+    def ack(self, queue: str, held: Sequence[Fence]) -> list[bool]:
         """Finish succeeded jobs; False where the attempt is no longer held."""
         if not held:
             return []
         k = self.keys(queue)
-        args = [x for job_id, attempt in held for x in (job_id, attempt)]
+        args: list[Any] = [TOMBSTONE_MS]
+        args += [x for fence in held for x in fence]
         return [bool(r) for r in self._run("ack", (k.processing, k.leases, k.job_prefix), args)]
 
-    def nack(self, queue: str, failed: Sequence[tuple[str, int, int, str]]) -> list[bool]:
-        """Apply (id, attempt, delay_ms or -1 for dead, error) decisions, fenced."""
+    def nack(self, queue: str, failed: Sequence[tuple[str, int, int, int, str]]) -> list[bool]:
+        """Apply (id, attempt, gen, delay_ms or -1 for dead, error) decisions, fenced."""
         if not failed:
             return []
         k = self.keys(queue)
         args = [x for entry in failed for x in entry]
         keys = (k.queued, k.processing, k.leases, k.scheduled, k.dead, k.wake, k.job_prefix)
         applied = [bool(r) for r in self._run("nack", keys, args)]
-        self._wake(queue, any(ok and entry[2] == 0 for ok, entry in zip(applied, failed,
+        self._wake(queue, any(ok and entry[3] == 0 for ok, entry in zip(applied, failed,
                                                                             strict=True)))
         return applied
 
-    def extend(self, queue: str, held: Sequence[tuple[str, int]], *, lease_ms: int) -> list[bool]:
+    def extend(self, queue: str, held: Sequence[Fence], *, lease_ms: int) -> list[bool]:
         """Renew leases of held attempts; False where the attempt was lost."""
         if not held:
             return []
         k = self.keys(queue)
         args: list[Any] = [lease_ms]
-        args += [x for job_id, attempt in held for x in (job_id, attempt)]
+        args += [x for fence in held for x in fence]
         return [bool(r) for r in self._run("extend", (k.leases, k.job_prefix), args)]
 
-    def release(self, queue: str, held: Sequence[tuple[str, int, bool]]) -> list[bool]:
-        """Put (id, attempt, started) back on queued at once (graceful stop)."""
+    def release(self, queue: str, held: Sequence[tuple[str, int, int, bool]]) -> list[bool]:
+        """Put (id, attempt, gen, started) back on queued at once (graceful stop)."""
         if not held:
             return []
         k = self.keys(queue)
-        args = [x for job_id, attempt, started in held for x in (job_id, attempt, int(started))]
+        args = [x for job_id, attempt, gen, started in held
+                for x in (job_id, attempt, gen, int(started))]
         keys = (k.queued, k.processing, k.leases, k.wake, k.job_prefix)
         released = [bool(r) for r in self._run("release", keys, args)]
         self._wake(queue, any(released))
@@ -311,18 +350,28 @@ class Broker:
 
     # -- the sweep -------------------------------------------------------
 
-    def recover(self, queue: str, *, lease_ms: int, limit: int = SWEEP_BATCH) -> RecoverResult:
-        """Requeue (or bury) jobs whose lease expired; lease new orphans."""
+    def expired(self, queue: str, *, limit: int = SWEEP_BATCH) -> list[Fence]:
+        """Started attempts whose lease expired (read-only; see expired.lua)."""
         k = self.keys(queue)
+        flat = self._run("expired", (k.leases, k.job_prefix), (limit,))
+        return [(flat[i], int(flat[i + 1]), int(flat[i + 2])) for i in range(0, len(flat), 3)]
+
+    def recover(self, queue: str, *, lease_ms: int, limit: int = SWEEP_BATCH,
+                settle: Sequence[Settlement] = ()) -> RecoverResult:
+        """Settle mirrored outcomes, requeue (or bury) expired leases, lease new orphans."""
+        k = self.keys(queue)
+        args: list[Any] = [limit, lease_ms, TOMBSTONE_MS]
+        for s in settle:
+            args += (s.id, s.attempt, s.gen, s.final, s.error[:4000])
         outcomes_flat, stamped = self._run(
             "recover",
-            (k.queued, k.processing, k.leases, k.dead, k.wake, k.job_prefix),
-            (limit, lease_ms, ORPHAN_SCAN),
+            (k.queued, k.processing, k.leases, k.dead, k.wake, k.job_prefix, k.landing, k.scan),
+            args,
         )
         outcomes = [
             RecoveredJob(outcomes_flat[i], int(outcomes_flat[i + 1]), outcomes_flat[i + 3],
-                         max_attempts=int(outcomes_flat[i + 2]))
-            for i in range(0, len(outcomes_flat), 4)
+                         max_attempts=int(outcomes_flat[i + 2]), gen=int(outcomes_flat[i + 4]))
+            for i in range(0, len(outcomes_flat), 5)
         ]
         self._wake(queue, any(o.kind in ("expired", "unstarted", "orphan") for o in outcomes))
         return RecoverResult(outcomes, int(stamped))
@@ -336,15 +385,16 @@ class Broker:
         return promoted
 
     def held_states(self, queue: str, job_ids: Sequence[str]) -> dict[str, dict[str, str]]:
-        """Return the state, attempts and last_error of each job Redis holds."""
+        """Return the state, attempts, gen and last_error of each job Redis holds."""
         k = self.keys(queue)
         with self.client.pipeline(transaction=False) as pipe:
             for job_id in job_ids:
-                pipe.hmget(k.job(job_id), "state", "attempts", "last_error")
+                pipe.hmget(k.job(job_id), "state", "attempts", "last_error", "gen")
             replies = pipe.execute()
         return {
-            job_id: {"state": state, "attempts": attempts or "0", "last_error": error or ""}
-            for job_id, (state, attempts, error) in zip(job_ids, replies, strict=True)
+            job_id: {"state": state, "attempts": attempts or "0", "last_error": error or "",
+                     "gen": gen or "0"}
+            for job_id, (state, attempts, error, gen) in zip(job_ids, replies, strict=True)
             if state is not None
         }
 

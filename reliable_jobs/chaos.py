@@ -771,8 +771,9 @@ class ChaosRun:
         ledger = chaos_ledger.read_ledger(self.ledger_dir)
         if not ledger.runs:
             return  # a --task that keeps no ledger: nothing to check
-        findings = chaos_ledger.analyse(ledger, deaths=self.deaths, final_states=final_states,
-                                        ended_at=ended_at)
+        findings = chaos_ledger.analyse(
+            ledger, deaths=self.deaths, final_states=final_states, ended_at=ended_at,
+            redis_losses=[fault.wall for fault in self.faults if fault.name == FLUSH_FAULT])
         report.ledger = findings
         report.evidence = chaos_ledger.evidence(findings, self.deaths)
         lines = [f"kill: worker {kill.worker_id} pid {kill.pid} dead at "

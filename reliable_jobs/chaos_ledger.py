@@ -204,13 +204,16 @@ def expected_state(last: Run | None) -> str:
 
 
 def analyse(ledger: Ledger | Iterable[Run], *, deaths: Mapping[int, float],
-            final_states: Mapping[str, str], ended_at: float) -> Findings:
+            final_states: Mapping[str, str], ended_at: float,
+            redis_losses: Iterable[float] = ()) -> Findings:
     """Check the ledger against the process deaths the run caused and the final states.
 
     ``deaths`` maps the pid of every worker process that died during the run
     (SIGKILLed by it, or exited by itself) to the time it was known dead;
     ``final_states`` maps every enqueued job id to its final mirror state;
-    ``ended_at`` is when the run stopped its processes.
+    ``ended_at`` is when the run stopped its processes; ``redis_losses``
+    are the times Redis lost everything (a FLUSHDB), a crash of every job
+    it held: whatever was running then may run again.
 
     - Concurrent runs: two runs of one job whose spans [start, end]
       intersect, where a run without an end lasts until its process died
@@ -221,9 +224,11 @@ def analyse(ledger: Ledger | Iterable[Run], *, deaths: Mapping[int, float],
     - Re-run without a crash: a run whose previous run of the job (by start
       time) neither failed retryably nor had its process die between that
       previous run's start and this run's start (while it ran the job or
-      still held it, unacked). A job first run in a process killed later
-      is excused only for kills inside that window.
+      still held it, unacked), nor Redis lose its data in that window. A job
+      first run in a process killed later is excused only for kills inside
+      that window.
     """
+    losses = sorted(redis_losses)
     runs = list(ledger.runs if isinstance(ledger, Ledger) else ledger)
     findings = Findings(runs=len(runs),
                         unreadable=ledger.unreadable if isinstance(ledger, Ledger) else 0)
@@ -249,6 +254,8 @@ def analyse(ledger: Ledger | Iterable[Run], *, deaths: Mapping[int, float],
                 continue
             died = deaths.get(previous.pid)
             if died is not None and previous.start <= died <= run.start:
+                continue
+            if any(previous.start <= lost <= run.start for lost in losses):
                 continue
             findings.reruns_without_crash.append(RerunWithoutCrash(job, previous, run))
     for job, state in final_states.items():

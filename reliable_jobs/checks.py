@@ -21,11 +21,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import redis
 from django.apps import apps
 from django.core import checks
 
-from .broker import connect
+from .broker import REDIS_ERRORS, connect
 from .conf import DEFAULTS, mask_password
 from .keys import is_valid_queue_name
 
@@ -83,7 +82,7 @@ def _check_reachable(where: str, url: str) -> list[checks.CheckMessage]:
     client = connect(url, socket_timeout=PING_TIMEOUT_S)
     try:
         client.ping()
-    except (redis.RedisError, OSError) as exc:
+    except (*REDIS_ERRORS, OSError) as exc:
         return [checks.Warning(
             f"{where}: Redis at {mask_password(url)} does not answer ({exc}).",
             hint="Jobs enqueued now wait in the database until Redis is back and the "

@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-import redis
 from django.db import DatabaseError
 from django.db.models import Count
 from django.db.models.functions import TruncMinute
 from django.utils import timezone
 
+from .broker import REDIS_ERRORS
 from .keys import logical_queue, shard_queue
 from .models import FAILED_OUTCOMES, UNFINISHED_STATES, Attempt, AttemptOutcome, Job, JobState
 
@@ -125,7 +125,7 @@ def snapshot(backend: ReliableJobsBackend, *, now: datetime | None = None) -> Sn
     try:
         snap.queues = queue_counts(backend)
         snap.workers = workers(backend)
-    except redis.RedisError as exc:
+    except REDIS_ERRORS as exc:
         snap.problems.append(f"Redis did not answer ({exc}): queue counts and workers are "
                              "unknown.")
     try:
@@ -134,7 +134,7 @@ def snapshot(backend: ReliableJobsBackend, *, now: datetime | None = None) -> Sn
         snap.problems.append(f"The database did not answer ({exc}): throughput is unknown.")
     try:
         snap.drift = drift(backend)
-    except (redis.RedisError, DatabaseError) as exc:
+    except (*REDIS_ERRORS, DatabaseError) as exc:
         snap.problems.append(f"Drift could not be checked ({exc}).")
     return snap
 

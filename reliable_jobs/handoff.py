@@ -12,9 +12,7 @@ import threading
 from collections import defaultdict, deque
 from typing import Any
 
-import redis
-
-from .broker import ClaimedJob
+from .broker import REDIS_ERRORS, ClaimedJob
 
 
 class JobBuffer:
@@ -115,9 +113,8 @@ class StartMarks:
             by_queue[slot[0].queue].append(slot)
         for queue, slots in by_queue.items():
             try:
-                marked: list[Any] = self._broker.start(
-                    queue, [(s[0].id, s[0].attempt) for s in slots])
-            except redis.RedisError as exc:
+                marked: list[Any] = self._broker.start(queue, [s[0].fence for s in slots])
+            except REDIS_ERRORS as exc:
                 marked = [exc] * len(slots)
             for slot, result in zip(slots, marked, strict=True):
                 slot[1] = result

@@ -85,6 +85,16 @@ class QueueKeys:
         return f"{self.base}:leases"
 
     @property
+    def landing(self) -> str:
+        """Ids a worker moved off queued with BLMOVE and has not stamped yet."""
+        return f"{self.base}:landing"
+
+    @property
+    def scan(self) -> str:
+        """Where recover's walk over processing (for ids without a lease) resumes."""
+        return f"{self.base}:scan"
+
+    @property
     def scheduled(self) -> str:
         return f"{self.base}:scheduled"
 

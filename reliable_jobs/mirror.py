@@ -1,32 +1,43 @@
 """Every database write about jobs: the mirror of what happens in Redis.
 
-Writes are fenced by attempt number like the scripts: a row is moved only by
-a record whose attempt is at least the row's, so a stale worker's late write
-never overwrites a newer attempt. Worker writes arrive in batches (one
-transaction per batch); a failed batch is retried by the caller, never
-dropped, and the Redis ack waits for it (see worker.Finisher).
+Writes are fenced like the scripts, by generation and attempt number: a row
+is moved only by a record of the row's generation whose attempt is at least
+the row's, so a stale worker's late write (an older attempt, or any attempt
+from before the job was rebuilt) never overwrites a newer one. Outcomes are
+final: a record that says an attempt's lease expired or was released never
+overwrites that attempt's recorded success or failure, nor the terminal
+state it gave the job, and no worker record moves a cancelled job. Worker
+writes arrive in batches (one transaction per batch); a failed batch is
+retried by the caller, never dropped, and the Redis ack waits for it.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 from django.db import connections, transaction
-from django.db.models import Q
+from django.db.models import Max, Q
 from django.db.models.functions import Coalesce, Greatest
 from django.utils import timezone
 
 from . import payload
+from .exceptions import LeaseExpired, class_path
+from .faults import stop_point
 from .keys import shard_queue
 from .models import UNFINISHED_STATES, Attempt, AttemptOutcome, Job, JobState
 
 #: States after which a job never runs again.
 TERMINAL_STATES = (JobState.SUCCEEDED, JobState.DEAD)
+#: Outcomes an attempt reaches by running its task to the end.
+RAN_OUTCOMES = (AttemptOutcome.SUCCEEDED, AttemptOutcome.FAILED, AttemptOutcome.TIMED_OUT)
+#: Outcomes that say only that the attempt's worker let go of the job: they
+#: never overwrite an outcome the attempt itself recorded (RAN_OUTCOMES).
+LOSS_OUTCOMES = (AttemptOutcome.LEASE_EXPIRED, AttemptOutcome.RELEASED)
 
 
 @dataclass(slots=True)
@@ -48,6 +59,11 @@ class AttemptRecord:
     traceback: str = ""
     return_value: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
+    #: The job's generation when this attempt was claimed (see Job.generation).
+    gen: int = 0
+    #: When a failed attempt's retry is due (about: Redis's clock decides), so a
+    #: job rebuilt from its row while it waits does not run at once.
+    retry_at: datetime | None = None
 
 
 def insert_job(using: str, job: Job) -> None:
@@ -57,8 +73,8 @@ def insert_job(using: str, job: Job) -> None:
 
 #: Columns COPY writes for a new job (the rest keep their defaults: NULL or 0).
 _COPY_COLUMNS = ("id", "backend", "queue", "shard", "task_path", "args", "kwargs", "priority",
-                 "state", "attempts", "max_attempts", "run_after", "enqueued_at", "updated_at",
-                 "last_error")
+                 "state", "attempts", "generation", "max_attempts", "run_after", "enqueued_at",
+                 "updated_at", "last_error")
 
 
 def insert_jobs(using: str, jobs: Sequence[Job]) -> None:
@@ -80,7 +96,7 @@ def insert_jobs(using: str, jobs: Sequence[Job]) -> None:
             copy.write_row((
                 job.id, job.backend, job.queue, job.shard, job.task_path,
                 json.dumps(job.args), json.dumps(job.kwargs), job.priority, job.state,
-                job.attempts, job.max_attempts, job.run_after, job.enqueued_at,
+                job.attempts, job.generation, job.max_attempts, job.run_after, job.enqueued_at,
                 job.updated_at, job.last_error,
             ))
 
@@ -91,13 +107,14 @@ def record(using: str, records: Iterable[AttemptRecord]) -> None:
     Records for jobs that have no row (payloads pushed into Redis by hand)
     are skipped: there is no history to keep for them.
     """
-    merged: dict[tuple[str, int], AttemptRecord] = {}
+    merged: dict[tuple[str, int, int], AttemptRecord] = {}
     for rec in records:
-        key = (rec.job_id, rec.attempt)
+        key = (rec.job_id, rec.gen, rec.attempt)
         earlier = merged.get(key)
         if earlier is not None:
-            if earlier.outcome and not rec.outcome:
-                continue  # a start arriving after its own finish changes nothing
+            if (earlier.outcome and not rec.outcome) or (
+                    earlier.outcome in RAN_OUTCOMES and rec.outcome in LOSS_OUTCOMES):
+                continue  # a start after its finish, or a loss after a result, changes nothing
             rec.started_at = rec.started_at or earlier.started_at
             rec.worker_id = rec.worker_id or earlier.worker_id
         merged[key] = rec
@@ -108,11 +125,13 @@ def record(using: str, records: Iterable[AttemptRecord]) -> None:
     # A job's newest attempt decides its row (older ones only fill in history).
     newest: dict[str, AttemptRecord] = {}
     for rec in merged.values():
-        if rec.job_id not in newest or rec.attempt > newest[rec.job_id].attempt:
+        if rec.job_id not in newest or (rec.gen, rec.attempt) > (newest[rec.job_id].gen,
+                                                                 newest[rec.job_id].attempt):
             newest[rec.job_id] = rec
     if connections[using].vendor == "postgresql":
         with transaction.atomic(using=using), connections[using].cursor() as cursor:
             _pg_write_attempts(cursor, list(merged.values()))
+            stop_point("in_mirror_transaction")
             _pg_write_jobs(cursor, list(newest.values()))
             retried = [r for r in newest.values() if r.attempt > 1]
             if retried:
@@ -123,16 +142,24 @@ def record(using: str, records: Iterable[AttemptRecord]) -> None:
     now = timezone.now()
     with transaction.atomic(using=using):
         jobs = Job.objects.using(using)
-        known = {str(pk) for pk in jobs.filter(pk__in=set(newest)).values_list("pk", flat=True)}
-        _write_attempts(using, [r for r in merged.values() if r.job_id in known])
+        known = {str(pk): gen for ids in _chunks(list(newest))
+                 for pk, gen in jobs.filter(pk__in=ids).values_list("pk", "generation")}
+        _write_attempts(using, [r for r in merged.values() if known.get(r.job_id) == r.gen])
+        stop_point("in_mirror_transaction")
         for rec in newest.values():
-            if rec.job_id in known:
-                jobs.filter(pk=rec.job_id, attempts__lte=rec.attempt).update(
-                    **_job_changes(rec, now))
-                Attempt.objects.using(using).filter(
-                    job_id=rec.job_id, number__lt=rec.attempt, outcome=""
-                ).update(outcome=AttemptOutcome.LEASE_EXPIRED, finished_at=now,
-                         error=ABANDONED_ERROR)
+            if known.get(rec.job_id) == rec.gen:
+                fenced = jobs.filter(pk=rec.job_id, generation=rec.gen, attempts__lte=rec.attempt
+                                     ).exclude(state=JobState.CANCELLED)
+                if rec.outcome not in RAN_OUTCOMES:
+                    fenced = fenced.exclude(state__in=TERMINAL_STATES, attempts=rec.attempt)
+                fenced.update(**_job_changes(rec, now))
+        # Like _PG_CLOSE_ABANDONED: every retried job's newest record, whatever its generation.
+        for retried in _chunks([rec for rec in newest.values() if rec.attempt > 1]):
+            closing = Q(pk__in=[])
+            for rec in retried:
+                closing |= Q(job_id=rec.job_id, number__lt=rec.attempt)
+            Attempt.objects.using(using).filter(closing, outcome="").update(
+                outcome=AttemptOutcome.LEASE_EXPIRED, finished_at=now, error=ABANDONED_ERROR)
 
 
 #: The largest attempt number the mirror's integer columns hold.
@@ -147,11 +174,8 @@ def _make_storable(rec: AttemptRecord) -> bool:
     anyone wrote there), NUL or a lone surrogate in a task's message, NaN or
     infinity in its result (see payload.storable).
     """
-    try:
-        if str(uuid.UUID(rec.job_id)) != rec.job_id:
-            return False  # enqueue writes canonical UUIDs: no row has this id
-    except (TypeError, ValueError, AttributeError):
-        return False
+    if not _is_uuid(rec.job_id):
+        return False  # enqueue writes canonical UUIDs: no row has this id
     if not 0 <= rec.attempt <= MAX_ATTEMPT:
         return False
     rec.worker_id = payload.storable_text(rec.worker_id)[:200]
@@ -174,6 +198,8 @@ def _job_changes(rec: AttemptRecord, now: datetime) -> dict[str, Any]:
         changes["return_value"] = rec.return_value
     if rec.error:
         changes["last_error"] = rec.error
+    if rec.retry_at:
+        changes["run_after"] = rec.retry_at
     return changes
 
 
@@ -188,6 +214,8 @@ def _job_changes(rec: AttemptRecord, now: datetime) -> dict[str, Any]:
 # server: Django's client-side binding would otherwise quote every array
 # element in Python, which cost more than the statements themselves.
 _SEPARATOR = "\x1f"
+#: RAN_OUTCOMES as an SQL list.
+_RAN = "(" + ", ".join(f"'{outcome}'" for outcome in RAN_OUTCOMES) + ")"
 
 
 def _column(kind: str, *, nullable: bool = False) -> str:
@@ -212,16 +240,20 @@ SELECT v.job_id, v.number, v.worker_id, v.started_at, v.finished_at, v.outcome, 
        v.traceback
 FROM unnest({_column("uuid")}, {_column("int")}, {_column("text")},
             {_column("timestamptz", nullable=True)}, {_column("timestamptz", nullable=True)},
-            {_column("text")}, {_column("text")}, {_column("text")})
-     AS v(job_id, number, worker_id, started_at, finished_at, outcome, error, traceback)
-WHERE EXISTS (SELECT 1 FROM {Job._meta.db_table} j WHERE j.id = v.job_id)
+            {_column("text")}, {_column("text")}, {_column("text")}, {_column("int")})
+     AS v(job_id, number, worker_id, started_at, finished_at, outcome, error, traceback, gen)
+WHERE EXISTS (SELECT 1 FROM {Job._meta.db_table} j WHERE j.id = v.job_id
+              AND j.generation = v.gen)
 ON CONFLICT (job_id, number) DO UPDATE SET
     worker_id = COALESCE(NULLIF(EXCLUDED.worker_id, ''), a.worker_id),
     started_at = COALESCE(a.started_at, EXCLUDED.started_at),
-    finished_at = COALESCE(EXCLUDED.finished_at, a.finished_at),
-    outcome = CASE WHEN 'lease_expired' IN (a.outcome, EXCLUDED.outcome) THEN 'lease_expired'
+    finished_at = CASE WHEN a.outcome IN {_RAN} THEN a.finished_at
+                       ELSE COALESCE(EXCLUDED.finished_at, a.finished_at) END,
+    outcome = CASE WHEN a.outcome IN {_RAN} THEN a.outcome
+                   WHEN a.outcome = 'lease_expired' THEN a.outcome
                    ELSE COALESCE(NULLIF(EXCLUDED.outcome, ''), a.outcome) END,
-    error = CASE WHEN a.outcome = 'lease_expired' AND EXCLUDED.outcome NOT IN ('', a.outcome)
+    error = CASE WHEN a.outcome IN {_RAN} THEN a.error
+                 WHEN a.outcome = 'lease_expired' AND EXCLUDED.outcome NOT IN ('', a.outcome)
                  THEN a.error || '; the worker then finished this attempt late ('
                       || EXCLUDED.outcome || ') and its result was discarded'
                  ELSE COALESCE(NULLIF(EXCLUDED.error, ''), a.error) END,
@@ -238,20 +270,26 @@ UPDATE {Job._meta.db_table} AS j SET
     return_value = CASE WHEN v.state = 'succeeded' THEN v.return_value::jsonb
                         ELSE j.return_value END,
     last_error = COALESCE(NULLIF(v.error, ''), j.last_error),
+    run_after = COALESCE(v.retry_at, j.run_after),
     updated_at = now()
 FROM unnest({_column("uuid")}, {_column("int")}, {_column("text")},
             {_column("timestamptz", nullable=True)}, {_column("timestamptz", nullable=True)},
-            {_column("text", nullable=True)}, {_column("text")})
-     AS v(id, attempt, state, started_at, finished_at, return_value, error)
-WHERE j.id = v.id AND j.attempts <= v.attempt
+            {_column("text", nullable=True)}, {_column("text")}, {_column("int")},
+            {_column("text")}, {_column("timestamptz", nullable=True)})
+     AS v(id, attempt, state, started_at, finished_at, return_value, error, gen, outcome,
+          retry_at)
+WHERE j.id = v.id AND j.generation = v.gen AND j.attempts <= v.attempt
+  AND j.state <> 'cancelled'
+  AND NOT (j.state IN ('succeeded', 'dead') AND j.attempts = v.attempt
+           AND v.outcome NOT IN {_RAN})
 """
 
 
 # An earlier attempt still open when a later one is written was abandoned: its
 # worker died before anything recorded how it ended (the sweep that saw its
 # lease expire may have died too). Close it, so no attempt stays "running".
-ABANDONED_ERROR = ("reliable_jobs.exceptions.LeaseExpired: the worker stopped before this "
-                   "attempt was recorded as finished")
+ABANDONED_ERROR = (f"{class_path(LeaseExpired)}: the worker stopped before this attempt was "
+                   "recorded as finished")
 _PG_CLOSE_ABANDONED = f"""
 UPDATE {Attempt._meta.db_table} AS a
 SET outcome = 'lease_expired', finished_at = now(), error = %s
@@ -266,6 +304,7 @@ def _pg_write_attempts(cursor: Any, rows: list[AttemptRecord]) -> None:
         _joined(r.worker_id for r in rows), _joined(r.started_at for r in rows),
         _joined(r.finished_at for r in rows), _joined(r.outcome for r in rows),
         _joined(r.error for r in rows), _joined(r.traceback for r in rows),
+        _joined(r.gen for r in rows),
     ])
 
 
@@ -276,7 +315,8 @@ def _pg_write_jobs(cursor: Any, rows: list[AttemptRecord]) -> None:
         _joined(r.finished_at for r in rows),
         # JSON text never holds a raw U+001F (json.dumps escapes control characters).
         _joined(None if r.return_value is None else json.dumps(r.return_value) for r in rows),
-        _joined(r.error for r in rows),
+        _joined(r.error for r in rows), _joined(r.gen for r in rows),
+        _joined(r.outcome for r in rows), _joined(r.retry_at for r in rows),
     ])
 
 
@@ -285,10 +325,9 @@ def _write_attempts(using: str, rows: Sequence[AttemptRecord]) -> None:
     attempts = Attempt.objects.using(using)
     existing = {
         (str(a.job_id), a.number): a
-        for a in attempts.filter(
-            _any_of((r.job_id, r.attempt) for r in rows)
-        )
-    } if rows else {}
+        for chunk in _chunks(rows)
+        for a in attempts.filter(_any_of((r.job_id, r.attempt) for r in chunk))
+    }
     new: list[Attempt] = []
     for rec in rows:
         row = existing.get((rec.job_id, rec.attempt))
@@ -297,21 +336,35 @@ def _write_attempts(using: str, rows: Sequence[AttemptRecord]) -> None:
                                started_at=rec.started_at, finished_at=rec.finished_at,
                                outcome=rec.outcome, error=rec.error, traceback=rec.traceback))
             continue
-        if row.outcome and not rec.outcome:
-            continue
+        # Column by column as _PG_UPSERT_ATTEMPTS: an outcome the attempt reached by
+        # running (RAN_OUTCOMES) is final, and so is 'lease_expired' (a late result
+        # is only noted in its error); worker, start and traceback still fill in.
         row.worker_id = rec.worker_id or row.worker_id
         row.started_at = row.started_at or rec.started_at
-        row.finished_at = rec.finished_at or row.finished_at
-        if row.outcome == AttemptOutcome.LEASE_EXPIRED and rec.outcome != row.outcome:
-            row.error += (f"; the worker then finished this attempt late ({rec.outcome}) and "
-                          "its result was discarded")
-        else:
-            row.outcome, row.error = rec.outcome or row.outcome, rec.error or row.error
+        if row.outcome not in RAN_OUTCOMES:
+            row.finished_at = rec.finished_at or row.finished_at
+            if row.outcome != AttemptOutcome.LEASE_EXPIRED:
+                row.outcome, row.error = rec.outcome or row.outcome, rec.error or row.error
+            elif rec.outcome not in ("", row.outcome):
+                row.error += (f"; the worker then finished this attempt late ({rec.outcome}) "
+                              "and its result was discarded")
+            else:
+                row.error = rec.error or row.error
         row.traceback = rec.traceback or row.traceback
         row.save(using=using, update_fields=["worker_id", "started_at", "finished_at",
                                              "outcome", "error", "traceback"])
     if new:
         attempts.bulk_create(new, ignore_conflicts=True)
+
+
+#: Rows per query of the ORM path: SQLite refuses an expression (an OR of
+#: conditions) nested more than 1,000 deep, and a sweep's batch has no bound.
+_CHUNK = 250
+
+
+def _chunks[T](items: Sequence[T], size: int = _CHUNK) -> Iterator[Sequence[T]]:
+    for start in range(0, len(items), size):
+        yield items[start:start + size]
 
 
 def _any_of(pairs: Iterable[tuple[str, int]]) -> Q:
@@ -321,10 +374,11 @@ def _any_of(pairs: Iterable[tuple[str, int]]) -> Q:
     return query
 
 
-def expired_record(job_id: str, attempts: int, *, dead: bool, error: str) -> AttemptRecord:
+def expired_record(job_id: str, attempts: int, *, dead: bool, error: str,
+                   gen: int = 0) -> AttemptRecord:
     """The record the sweep writes when a lease expired."""
     return AttemptRecord(
-        job_id=job_id, attempt=attempts,
+        job_id=job_id, attempt=attempts, gen=gen,
         job_state=JobState.DEAD if dead else JobState.QUEUED,
         finished_at=timezone.now(), outcome=AttemptOutcome.LEASE_EXPIRED, error=error,
     )
@@ -345,21 +399,62 @@ def reconcile_candidates(
     return list(rows.order_by("pk")[:limit])
 
 
-def still_unfinished(using: str, job_ids: Sequence[Any], *, older_than: datetime) -> list[Job]:
-    """Of ``job_ids``, the rows still unfinished and untouched since ``older_than``."""
+def finished_attempts(using: str, job_ids: Sequence[str]
+                      ) -> list[tuple[str, int, int, str, str]]:
+    """(id, attempt, gen, state, last error) of those jobs the mirror holds as finished.
+
+    ``attempt`` and ``gen`` are those of the attempt that finished the job.
+    """
+    ids = [job_id for job_id in job_ids if _is_uuid(job_id)]
+    rows = Job.objects.using(using).filter(pk__in=ids, state__in=TERMINAL_STATES).values_list(
+        "pk", "attempts", "generation", "state", "last_error")
+    return [(str(pk), attempts, gen, state, error) for pk, attempts, gen, state, error in rows]
+
+
+def _is_uuid(text: str) -> bool:
+    try:
+        return str(uuid.UUID(text)) == text
+    except (TypeError, ValueError, AttributeError):
+        return False
+
+
+def lock_unfinished(using: str, job_ids: Sequence[Any], *, older_than: datetime) -> list[Job]:
+    """Lock, of ``job_ids``, the rows still unfinished and untouched since ``older_than``.
+
+    For the caller's transaction. Rows another transaction holds (a staff
+    action, another reconciler, a worker's mirror write) are skipped, not
+    waited for: whoever holds them is acting on the job right now, and the
+    next pass sees what it did.
+    """
     if not job_ids:
         return []
-    return list(Job.objects.using(using).filter(
+    return list(Job.objects.using(using).select_for_update(skip_locked=True).filter(
         pk__in=job_ids, state__in=UNFINISHED_STATES, updated_at__lt=older_than))
 
 
-def touch(using: str, job_ids: Sequence[Any], *, state: str | None = None) -> None:
-    """Restart the grace period of unfinished jobs reconcile just pushed again."""
-    changes: dict[str, Any] = {"updated_at": timezone.now()}
-    if state:
-        changes["state"] = state
-    Job.objects.using(using).filter(pk__in=job_ids, state__in=UNFINISHED_STATES).update(
-        **changes)
+def next_generation(using: str, rows: Sequence[Job]) -> None:
+    """Give locked rows the generation and attempt count of their rebuild, in place.
+
+    The generation goes up by one, so every token handed out before the
+    rebuild is refused after it; attempts become the highest attempt the
+    history holds, so attempt numbers keep counting and never repeat.
+    """
+    if not rows:
+        return
+    highest = dict(Attempt.objects.using(using).filter(job_id__in=[row.pk for row in rows])
+                   .values("job_id").annotate(top=Max("number")).values_list("job_id", "top"))
+    for row in rows:
+        row.generation += 1
+        row.attempts = max(row.attempts, highest.get(row.pk) or 0)
+
+
+def mark_rebuilt(using: str, rows: Sequence[Job], *, now: datetime) -> None:
+    """Mirror rebuilt jobs: their new generation and attempts, their state, a fresh grace."""
+    for row in rows:
+        Job.objects.using(using).filter(pk=row.pk).update(
+            generation=row.generation, attempts=row.attempts, updated_at=now,
+            state=JobState.SCHEDULED if row.run_after and row.run_after > now
+            else JobState.QUEUED)
 
 
 def raise_budgets(using: str, budgets: dict[str, int]) -> None:
@@ -370,10 +465,11 @@ def raise_budgets(using: str, budgets: dict[str, int]) -> None:
             jobs.filter(pk=job_id).update(max_attempts=Greatest("max_attempts", max_attempts))
 
 
-def bury(using: str, job_id: str, *, attempts: int, error: str) -> None:
-    """Mirror a death Redis already recorded (for example by recover)."""
+def bury(using: str, job_id: str, *, attempts: int, gen: int, error: str) -> None:
+    """Mirror a death Redis already recorded (for example by recover), fenced."""
     now = timezone.now()
-    Job.objects.using(using).filter(pk=job_id, state__in=UNFINISHED_STATES).update(
+    Job.objects.using(using).filter(pk=job_id, state__in=UNFINISHED_STATES, generation=gen,
+                                    attempts__lte=attempts).update(
         state=JobState.DEAD, attempts=Greatest("attempts", attempts), last_error=error,
         finished_at=now, updated_at=now,
     )
@@ -394,18 +490,21 @@ def lock_job(using: str, job_id: Any) -> Job | None:
     return Job.objects.using(using).select_for_update().filter(pk=job_id).first()
 
 
-def mark_queued_again(using: str, job_id: Any, *, max_attempts: int,
+def mark_queued_again(using: str, job: Job, *, max_attempts: int,
                       clear_run_after: bool = False) -> None:
     """Mirror a staff retry or requeue: queued again, with ``max_attempts`` as budget.
 
+    The row's generation and attempts are written as ``job`` holds them
+    (raised by :func:`next_generation` when the action rebuilt the job).
     ``clear_run_after`` drops a future run_after the job no longer waits
     for, so a reconcile rebuild cannot schedule it for later again.
     """
     changes: dict[str, Any] = {"state": JobState.QUEUED, "max_attempts": max_attempts,
+                               "generation": job.generation, "attempts": job.attempts,
                                "finished_at": None, "updated_at": timezone.now()}
     if clear_run_after:
         changes["run_after"] = None
-    Job.objects.using(using).filter(pk=job_id).update(**changes)
+    Job.objects.using(using).filter(pk=job.pk).update(**changes)
 
 
 def mark_cancelled(using: str, job_id: Any) -> None:

@@ -71,6 +71,9 @@ class Job(models.Model):
     priority = models.SmallIntegerField(_("priority"), default=0)
     state = models.CharField(_("state"), max_length=16, choices=JobState.choices)
     attempts = models.PositiveIntegerField(_("attempts"), default=0)
+    #: How many times the job was rebuilt in Redis from this row; with the
+    #: attempt number it is the fencing token (see scripts/enqueue.lua).
+    generation = models.PositiveIntegerField(_("generation"), default=0)
     max_attempts = models.PositiveIntegerField(_("max attempts"))
     run_after = models.DateTimeField(_("run after"), null=True, blank=True)
     enqueued_at = models.DateTimeField(_("enqueued"))

@@ -17,7 +17,13 @@ import threading
 
 
 class CuttableProxy:
-    """A TCP proxy to a server; ``cut()`` drops every connection and refuses new ones."""
+    """A TCP proxy to a server; ``cut()`` drops every connection and refuses new ones.
+
+    ``stall()`` is the nastier fault: connections stay open and new ones are
+    accepted, but nothing is forwarded until ``resume()``, as with a
+    black-holed network path or a server stuck on a lock: a client waits,
+    with no error to react to.
+    """
 
     def __init__(self, upstream_port: int, upstream_host: str = "127.0.0.1") -> None:
         self.upstream_host = upstream_host
@@ -27,6 +33,8 @@ class CuttableProxy:
         self._sockets: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._down = threading.Event()
+        self._flowing = threading.Event()
+        self._flowing.set()
         self._closed = threading.Event()
         self.connections = 0
         threading.Thread(target=self._accept_loop, daemon=True, name="proxy-accept").start()
@@ -46,6 +54,13 @@ class CuttableProxy:
 
     def restore(self) -> None:
         self._down.clear()
+
+    def stall(self) -> None:
+        """Stop forwarding in both directions; keep every connection open."""
+        self._flowing.clear()
+
+    def resume(self) -> None:
+        self._flowing.set()
 
     def close(self) -> None:
         self._closed.set()
@@ -78,6 +93,9 @@ class CuttableProxy:
     def _pump(self, source: socket.socket, target: socket.socket) -> None:
         try:
             while data := source.recv(65536):
+                while not self._flowing.wait(0.1):
+                    if self._closed.is_set() or self._down.is_set():
+                        return
                 target.sendall(data)
         except OSError:
             pass

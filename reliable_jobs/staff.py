@@ -62,6 +62,7 @@ def retry(backend: ReliableJobsBackend, job_id: Any) -> Outcome:
         extra = fresh_budget(backend, job)
         held = backend.broker.held_states(job.physical_queue, [jid]).get(jid)
         if held is None:
+            mirror.next_generation(database, [job])
             attempts = job.attempts
             if not backend.broker.enqueue(job.physical_queue,
                                           [_rebuilt(job, max_attempts=attempts + extra)]):
@@ -73,7 +74,7 @@ def retry(backend: ReliableJobsBackend, job_id: Any) -> Outcome:
         else:
             return Outcome(jid, False, f"Job {jid} is dead in the database but "
                            f"{held['state']} in Redis, which is ahead: it was not retried.")
-        mirror.mark_queued_again(database, jid, max_attempts=attempts + extra)
+        mirror.mark_queued_again(database, job, max_attempts=attempts + extra)
     return Outcome(jid, True, f"Job {jid} is queued again with {extra} more "
                    f"attempt{'s' if extra != 1 else ''} (attempts {attempts + 1} to "
                    f"{attempts + extra}).")
@@ -126,11 +127,12 @@ def requeue(backend: ReliableJobsBackend, job_id: Any) -> Outcome:
         jid = str(job.pk)
         future = job.run_after is not None and job.run_after > timezone.now()
         if job.state == JobState.CANCELLED:
+            mirror.next_generation(database, [job])
             budget = (job.max_attempts if job.max_attempts > job.attempts
                       else job.attempts + fresh_budget(backend, job))
             if not backend.broker.enqueue(job.physical_queue, [_rebuilt(job, max_attempts=budget)]):
                 return _redis_moved(jid, "requeued")
-            mirror.mark_queued_again(database, jid, max_attempts=budget, clear_run_after=future)
+            mirror.mark_queued_again(database, job, max_attempts=budget, clear_run_after=future)
             return Outcome(jid, True, f"Job {jid} was cancelled and is queued again "
                            f"({budget - job.attempts} attempts left).")
         if job.state == JobState.DEAD:
@@ -143,7 +145,7 @@ def requeue(backend: ReliableJobsBackend, job_id: Any) -> Outcome:
             shown = found or "not in Redis yet"
             return Outcome(jid, False, f"Job {jid} is {shown}, not scheduled: only a waiting "
                            "job can be run now; it was not requeued.")
-        mirror.mark_queued_again(database, jid, max_attempts=job.max_attempts,
+        mirror.mark_queued_again(database, job, max_attempts=job.max_attempts,
                                  clear_run_after=future)
     return Outcome(jid, True, f"Job {jid} was scheduled and is queued now.")
 

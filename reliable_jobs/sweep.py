@@ -15,11 +15,12 @@ from dataclasses import dataclass, fields
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
-from django.db import DatabaseError
+from django.db import DatabaseError, transaction
 from django.utils import timezone
 
 from . import mirror, payload
-from .broker import NewJob
+from .broker import Fence, NewJob, Settlement
+from .exceptions import LeaseExpired, class_path
 from .faults import crash_point
 from .mirror import AttemptRecord
 from .models import Job, JobState
@@ -31,6 +32,13 @@ logger = logging.getLogger("reliable_jobs.sweep")
 
 #: Rows reconcile reads per database query and checks per Redis pipeline.
 RECONCILE_BATCH = 500
+#: Redis states that mark a job as done with (see ack.lua and cancel.lua).
+TOMBSTONES = ("finished", "cancelled")
+LEASE_EXPIRED = class_path(LeaseExpired)
+
+
+def _epoch_ms(when: datetime) -> int:
+    return int(when.timestamp() * 1000)
 
 
 @dataclass
@@ -42,6 +50,7 @@ class SweepReport:
     orphans: int = 0
     garbage: int = 0
     promoted: int = 0
+    settled: int = 0
     checked: int = 0
     pushed: int = 0
     buried: int = 0
@@ -59,11 +68,14 @@ def rebuilt_job(row: Job, *, max_attempts: int, due_ms: int = 0,
     """The Redis job for a mirror row, its attempts kept: how a lost job comes back.
 
     Reconcile rebuilds what Redis lost; a staff retry rebuilds a dead job
-    Redis no longer holds. The row was accepted when it was enqueued, so the
+    Redis no longer holds. The caller has locked the row and given it its
+    next generation (mirror.next_generation), so no token from before the
+    rebuild matches. The row was accepted when it was enqueued, so the
     current MAX_PAYLOAD_BYTES is not applied again.
     """
     text = payload.encode(row.task_path, tuple(row.args), dict(row.kwargs), max_bytes=max_bytes)
-    return NewJob(str(row.pk), text, max_attempts, due_ms=due_ms, attempts=row.attempts)
+    return NewJob(str(row.pk), text, max_attempts, due_ms=due_ms, attempts=row.attempts,
+                  gen=row.generation)
 
 
 class Sweep:
@@ -92,20 +104,23 @@ class Sweep:
         broker = self.backend.broker
         lease_ms = self.backend.config.LEASE_MS
         for queue in physical if physical is not None else self.physical_queues():
-            recovered = broker.recover(queue, lease_ms=lease_ms)
+            settle = self._mirrored_outcomes(broker.expired(queue))
+            recovered = broker.recover(queue, lease_ms=lease_ms, settle=settle)
             report.orphans += recovered.stamped
             for job in recovered.outcomes:
-                if job.kind == "expired":
+                if job.kind == "settled":
+                    report.settled += 1
+                elif job.kind == "expired":
                     report.requeued += 1
                     records.append(mirror.expired_record(
-                        job.id, job.attempts, dead=False,
-                        error=f"reliable_jobs.exceptions.LeaseExpired: attempt {job.attempts} "
+                        job.id, job.attempts, dead=False, gen=job.gen,
+                        error=f"{LEASE_EXPIRED}: attempt {job.attempts} "
                               "stopped renewing its lease (worker lost or stalled)"))
                 elif job.kind == "dead":
                     report.dead += 1
                     records.append(mirror.expired_record(
-                        job.id, job.attempts, dead=True,
-                        error=f"reliable_jobs.exceptions.LeaseExpired: attempt {job.attempts} "
+                        job.id, job.attempts, dead=True, gen=job.gen,
+                        error=f"{LEASE_EXPIRED}: attempt {job.attempts} "
                               "stopped renewing its lease and no attempt is left"))
                 elif job.kind == "unstarted":
                     report.requeued += 1
@@ -123,6 +138,21 @@ class Sweep:
             except DatabaseError as exc:
                 logger.warning("Could not mirror %d refunded attempt(s): %s", len(refunds), exc)
         return report, records
+
+    def _mirrored_outcomes(self, expired: list[Fence]) -> list[Settlement]:
+        """Of expired started attempts, those whose final outcome the mirror holds.
+
+        Their worker wrote the outcome, then died or stalled before its ack:
+        running them again (or burying them) would contradict the history.
+        """
+        if not expired:
+            return []
+        tokens = {(job_id, attempt, gen) for job_id, attempt, gen in expired}
+        rows = mirror.finished_attempts(self.backend.config.DATABASE,
+                                        [job_id for job_id, _, _ in expired])
+        return [Settlement(job_id, attempt, gen, state, error)
+                for job_id, attempt, gen, state, error in rows
+                if (job_id, attempt, gen) in tokens]
 
     def reconcile(self, *, max_batches: int | None = None) -> SweepReport:
         """Push again every unfinished job Redis lost; mirror deaths Redis recorded.
@@ -161,32 +191,44 @@ class Sweep:
 
     def _reconcile_queue(self, queue: str, rows: list[Job],
                          older_than: datetime) -> tuple[int, int]:
+        """Rebuild the jobs of ``rows`` that Redis lost; mirror deaths it recorded.
+
+        The rows are read again and locked (SKIP LOCKED) AFTER the candidate
+        scan and held until the pushes are done: a worker writes the mirror
+        before it acks (which frees the hash), a staff cancel holds the row
+        while it acts, and another reconciler holds the rows it rebuilds, so
+        a row still unfinished, old and unlocked whose hash is gone was
+        really lost, and only this transaction pushes it. A tombstone
+        ('finished' or 'cancelled') whose row is still unfinished this long
+        after is a write that never reached the mirror: rebuilt too.
+        """
         broker = self.backend.broker
         database = self.backend.config.DATABASE
-        held = broker.held_states(queue, [str(row.pk) for row in rows])
         buried = 0
-        for job_id, state in held.items():
-            if state["state"] == JobState.DEAD:
-                mirror.bury(database, job_id, attempts=int(state["attempts"]),
-                            error=state["last_error"])
-                buried += 1
-        # Read the missing rows again, AFTER asking Redis: a worker writes the
-        # mirror before it acks (which frees the hash), so a job that finished
-        # since the first read now shows as finished (or freshly touched) and
-        # is left alone. What is still unfinished and old was really lost.
-        missing = [row.pk for row in rows if str(row.pk) not in held]
-        now = timezone.now()
-        lost: list[NewJob] = []
-        for row in mirror.still_unfinished(database, missing, older_than=older_than):
-            due = row.run_after if row.run_after and row.run_after > now else None
-            lost.append(rebuilt_job(row, max_attempts=row.max_attempts,
-                                    due_ms=int(due.timestamp() * 1000) if due else 0))
+        with transaction.atomic(using=database):
+            locked = mirror.lock_unfinished(database, [row.pk for row in rows],
+                                            older_than=older_than)
+            held = broker.held_states(queue, [str(row.pk) for row in locked])
+            lost_rows: list[Job] = []
+            for row in locked:
+                state = held.get(str(row.pk))
+                if state is None or state["state"] in TOMBSTONES:
+                    lost_rows.append(row)
+                elif state["state"] == JobState.DEAD:
+                    mirror.bury(database, str(row.pk), attempts=int(state["attempts"]),
+                                gen=int(state["gen"]), error=state["last_error"])
+                    buried += 1
+            now = timezone.now()
+            mirror.next_generation(database, lost_rows)
+            lost = [rebuilt_job(row, max_attempts=row.max_attempts,
+                                due_ms=_epoch_ms(row.run_after) if row.run_after
+                                and row.run_after > now else 0)
+                    for row in lost_rows]
+            if lost:
+                mirror.mark_rebuilt(database, lost_rows, now=now)
+                broker.enqueue(queue, lost, register=True)  # Redis may have lost the index too
+                crash_point("reconcile_after_push")
         if lost:
-            broker.enqueue(queue, lost, register=True)  # Redis may have lost the index too
-            mirror.touch(database, [job.id for job in lost if not job.due_ms],
-                         state=JobState.QUEUED)
-            mirror.touch(database, [job.id for job in lost if job.due_ms],
-                         state=JobState.SCHEDULED)
             logger.warning("Pushed %d job(s) of queue %r again: Redis had lost them.",
                            len(lost), queue)
         return len(lost), buried

@@ -8,6 +8,7 @@ whichever Redis ``testproject.embedded`` finds or starts.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -80,6 +81,13 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     sqlite_options.setdefault("transaction_mode", "IMMEDIATE")
     sqlite_options.setdefault("timeout", 20)
     sqlite_options.setdefault("init_command", "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;")
+    # The test database is a file, not Django's default in-memory one: the
+    # suite's `manage.py runworker` subprocesses must open the same database
+    # (tests/conftest.py subprocess_env passes them its path). One file per
+    # test run (the pid), so concurrent runs on one checkout never share it;
+    # Django replaces a leftover file at the start and deletes it at the end.
+    DATABASES["default"].setdefault("TEST", {}).setdefault(
+        "NAME", str(RUN_DIR / f"test-{os.getpid()}.sqlite3"))
 
 # Lower case: not a setting, so no error report or `diffsettings` lists the URL
 # (with its password) a second time.

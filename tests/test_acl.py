@@ -48,7 +48,7 @@ MINIMAL_ACL = (
     "+blmove", "+blpop", "+llen", "+zcard", "+hmget", "+zrange",
     "+set", "+get", "+del", "+zadd", "+zrem", "+zrevrange", "+zremrangebyscore",
     "+time", "+exists", "+hget", "+hset", "+hdel", "+lpos", "+lpush", "+rpush", "+lrange",
-    "+lrem", "+ltrim", "+zscore", "+zrangebyscore",
+    "+lrem", "+ltrim", "+zscore", "+zrangebyscore", "+pexpire",
 )
 #: Redis >= 7.2 and Valkey know CLIENT SETINFO, which redis-py sends on
 #: connecting (and tolerates a refusal of); older servers reject the rule.

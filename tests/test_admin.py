@@ -63,21 +63,23 @@ def run_attempt(backend: ReliableJobsBackend, job_id: str, *, outcome: str,
     broker = backend.broker
     broker.promote(queue)  # a retry waiting 0 ms is due at once
     claimed = broker.claim(queue, count=1, lease_ms=60_000)
+    while not claimed.jobs and claimed.remaining:  # a cancelled job's id, dropped: claim on
+        claimed = broker.claim(queue, count=1, lease_ms=60_000)
     assert [job.id for job in claimed.jobs] == [job_id], "another job was first in line"
-    attempt = claimed.jobs[0].attempt
-    broker.start(queue, [(job_id, attempt)])
+    attempt, gen = claimed.jobs[0].attempt, claimed.jobs[0].gen
+    broker.start(queue, [claimed.jobs[0].fence])
     now = timezone.now()
     database = backend.config.DATABASE
     if outcome == "running":
         mirror.record(database, [AttemptRecord(job_id, attempt, JobState.RUNNING,
-                                               worker_id=worker, started_at=now)])
+                                               worker_id=worker, started_at=now, gen=gen)])
         return attempt
     if outcome == "succeeded":
         mirror.record(database, [AttemptRecord(
             job_id, attempt, JobState.SUCCEEDED, worker_id=worker, started_at=now,
             finished_at=now + timedelta(milliseconds=1500), outcome=AttemptOutcome.SUCCEEDED,
-            return_value={"ok": True})])
-        assert broker.ack(queue, [(job_id, attempt)]) == [True]
+            return_value={"ok": True}, gen=gen)])
+        assert broker.ack(queue, [(job_id, attempt, gen)]) == [True]
         return attempt
     dead = outcome == "dead"
     message = error or f"builtins.RuntimeError: attempt {attempt} failed"
@@ -85,8 +87,9 @@ def run_attempt(backend: ReliableJobsBackend, job_id: str, *, outcome: str,
         job_id, attempt, JobState.DEAD if dead else JobState.SCHEDULED, worker_id=worker,
         started_at=now, finished_at=now + timedelta(milliseconds=250),
         outcome=AttemptOutcome.FAILED, error=message,
-        traceback=TRACEBACK.format(message))])
-    assert broker.nack(queue, [(job_id, attempt, -1 if dead else delay_ms, message)]) == [True]
+        traceback=TRACEBACK.format(message), gen=gen)])
+    assert broker.nack(queue, [(job_id, attempt, gen, -1 if dead else delay_ms, message)]) == [
+        True]
     return attempt
 
 

@@ -180,10 +180,18 @@ def test_cancel_takes_queued_and_scheduled_jobs_off_redis(
     # When staff cancel both
     said = act(boss, "cancel_jobs", queued.id, later.id)
 
-    # Then both are gone from Redis (list, set and hash) and cancelled in the rows
+    # Then both are cancelled in Redis: the scheduled one is gone (set and hash),
+    # the queued one is marked cancelled where it waits (cancel does not search
+    # the list) and is gone (list and hash) once a worker reaches it, never run;
+    # both are cancelled in the rows
     assert said == ["Cancelled 2 jobs that had not started: they will not run."]
-    assert redis_client.lrange(KEYS.queued, 0, -1) == []
     assert redis_client.zrange(KEYS.scheduled, 0, -1) == []
+    assert not redis_client.exists(KEYS.job(later.id))
+    assert redis_client.hget(KEYS.job(queued.id), "state") == "cancelled"
+    claimed = backend.broker.claim("default", count=10, lease_ms=60_000)
+    assert (claimed.jobs, claimed.dead, claimed.garbage) == ([], [], [])
+    assert redis_client.lrange(KEYS.queued, 0, -1) == []
+    assert redis_client.lrange(KEYS.processing, 0, -1) == []
     assert not redis_client.exists(KEYS.job(queued.id), KEYS.job(later.id))
     for job in Job.objects.filter(pk__in=[queued.id, later.id]):
         assert job.state == JobState.CANCELLED
@@ -426,6 +434,9 @@ def test_cancel_racing_a_real_worker_either_cancels_or_lets_run_never_both(
     wait_until(lambda: not Job.objects.exclude(
         state__in=[JobState.SUCCEEDED, JobState.CANCELLED]).exists(), timeout=60,
         message="every job to end")
+    # (a cancelled job's id waits on queued until the worker reaches it and drops it)
+    wait_until(lambda: not redis_client.llen(KEYS.queued) and not redis_client.llen(
+        KEYS.landing), timeout=60, message="the worker to reach every cancelled id")
     cancelled = {o.job_id for o in outcomes if o.done}
     for job in Job.objects.all():
         ran = Attempt.objects.filter(job=job).exists()

@@ -204,3 +204,22 @@ def test_the_task_side_writes_a_start_and_an_end_with_the_outcome(
         ("j1", 1, os.getpid(), "succeeded"), ("j2", 1, os.getpid(), "failed"),
         ("j3", 2, os.getpid(), "gave_up")]
     assert all(r.end is not None and r.end >= r.start for r in ledger.runs)
+
+
+def test_a_rerun_across_a_redis_loss_is_a_crash_but_not_one_after_it(tmp_path: Path) -> None:
+    # Given: Redis lost its data at 10.05 s. j1 ran on A from 10.0 s (its
+    # outcome not yet mirrored) and again on A at 10.4 s, rebuilt from the
+    # mirror; j2 first ran at 10.1 s, after the loss, and again at 10.4 s
+    ledger = read_ledger(write_ledger(tmp_path / "ledger", [
+        run("j1", 1, WORKER_A, 10.0, 10.04),
+        run("j1", 1, WORKER_A, 10.4, 10.44),
+        run("j2", 1, WORKER_A, 10.1, 10.14),
+        run("j2", 1, WORKER_A, 10.4, 10.44),
+    ]))
+
+    # When
+    findings = analyse(ledger, deaths={}, final_states={"j1": "succeeded", "j2": "succeeded"},
+                       ended_at=T0 + 20, redis_losses=[T0 + 10.05])
+
+    # Then: only j2's second run is unexplained
+    assert [r.job for r in findings.reruns_without_crash] == ["j2"]

@@ -56,8 +56,9 @@ def test_the_two_queues_live_on_different_masters(cluster: RedisClusterHarness) 
     # Then each queue's keys share one slot, and the two slots sit on different masters
     for queue in QUEUES:
         keys = QueueKeys("rj", queue)
-        slots = {key_slot(k.encode()) for k in (keys.queued, keys.processing, keys.leases,
-                                                 keys.scheduled, keys.dead, keys.job("x"))}
+        slots = {key_slot(k.encode()) for k in (keys.queued, keys.processing, keys.landing,
+                                                 keys.leases, keys.scheduled, keys.dead,
+                                                 keys.job("x"))}
         assert len(slots) == 1
     assert cluster.master_port_of(QueueKeys("rj", "default").queued) != cluster.master_port_of(
         QueueKeys("rj", "emails").queued)
@@ -78,10 +79,11 @@ def test_broker_scripts_and_multi_queue_wait_on_the_cluster(
         assert woken == set(QUEUES)
         # and the fenced scripts work as off a cluster
         claimed = broker.claim("emails", count=5, lease_ms=60_000).jobs
-        assert [(j.id, j.attempt) for j in claimed] == [("b", 1)]
-        assert broker.start("emails", [("b", 1)]) == [True]
-        assert broker.ack("emails", [("b", 0)]) == [False]
-        assert broker.ack("emails", [("b", 1)]) == [True]
+        assert [(j.id, j.attempt, j.gen) for j in claimed] == [("b", 1, 0)]
+        assert broker.start("emails", [("b", 1, 0)]) == [True]
+        assert broker.ack("emails", [("b", 0, 0)]) == [False]
+        assert broker.ack("emails", [("b", 1, 1)]) == [False]
+        assert broker.ack("emails", [("b", 1, 0)]) == [True]
         assert broker.counts("emails").running == 0
         assert broker.server_time_ms() > 0
     finally:

@@ -252,7 +252,7 @@ def test_drift_counts_rows_redis_lost_or_buried_and_links_to_them(
     run_attempt(backend, healthy.id, outcome="running")
     run_attempt(backend, lost.id, outcome="running")
     run_attempt(backend, buried.id, outcome="running")
-    backend.broker.nack("default", [(buried.id, 1, -1, "builtins.RuntimeError: x")])
+    backend.broker.nack("default", [(buried.id, 1, 0, -1, "builtins.RuntimeError: x")])
     redis_client.delete(KEYS.job(lost.id), KEYS.job(fresh.id))
     for job_id in (healthy.id, lost.id, buried.id):
         age(job_id, minutes=5)

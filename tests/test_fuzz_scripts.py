@@ -51,9 +51,9 @@ MAX_ROUNDS = 15
 #: Rounds in which the simulated worker follows the drawn decisions; after
 #: them it acks everything it can, so the drain must end.
 HOSTILE_ROUNDS = 3
-VALID_STATES = ("queued", "running", "scheduled", "dead")
+VALID_STATES = ("queued", "running", "scheduled", "dead", "finished", "cancelled")
 KNOWN_FIELDS = ("state", "attempts", "max_attempts", "payload", "started", "last_error",
-                "enqueued_ms", "started_ms", "finished_ms")
+                "enqueued_ms", "started_ms", "finished_ms", "gen")
 
 FUZZ = settings(
     max_examples=300, deadline=None, derandomize=True, database=None,
@@ -87,9 +87,9 @@ def job_ids(ids: list[str]) -> st.SearchStrategy[str]:
 # -- the world: one queue under a prefix of its own -------------------------------
 
 
-def new_job(job_id: str, *, due_ms: int = 0, attempts: int = 0) -> NewJob:
+def new_job(job_id: str, *, due_ms: int = 0, attempts: int = 0, gen: int = 0) -> NewJob:
     text = payload.encode("tests.tasks.noop_task", (job_id,), {}, max_bytes=10_000)
-    return NewJob(job_id, text, 3, due_ms=due_ms, attempts=attempts)
+    return NewJob(job_id, text, 3, due_ms=due_ms, attempts=attempts, gen=gen)
 
 
 @pytest.fixture
@@ -117,11 +117,11 @@ def populate(broker: Broker, states: list[str]) -> list[str]:
         broker.enqueue(Q, [new_job(i) for i in held])
         claimed = broker.claim(Q, count=len(held), lease_ms=LONG_LEASE_MS).jobs
         assert sorted(j.id for j in claimed) == sorted(held)
-        broker.start(Q, [(j.id, j.attempt) for j in claimed if j.id in by_state["started"]])
+        broker.start(Q, [j.fence for j in claimed if j.id in by_state["started"]])
     if by_state["dead"]:
         broker.enqueue(Q, [new_job(i) for i in by_state["dead"]])
         claimed = broker.claim(Q, count=len(by_state["dead"]), lease_ms=LONG_LEASE_MS).jobs
-        broker.nack(Q, [(j.id, j.attempt, -1, "doomed") for j in claimed])
+        broker.nack(Q, [(*j.fence, -1, "doomed") for j in claimed])
     far = broker.server_time_ms() + 3_600_000
     broker.enqueue(Q, [new_job(i) for i in by_state["queued"]]
                    + [new_job(i, due_ms=far) for i in by_state["scheduled"]])
@@ -197,7 +197,7 @@ class Drain:
                     self.ended.add(job.id)
             self.broker.promote(Q)
             claimed = self.broker.claim(Q, count=100, lease_ms=LONG_LEASE_MS)
-            self.ended.update(job_id for job_id, _ in claimed.dead)
+            self.ended.update(job_id for job_id, _, _ in claimed.dead)
             for job in claimed.jobs:
                 self.handle(job, hostile=round_number < HOSTILE_ROUNDS)
             if not self.busy():
@@ -211,9 +211,9 @@ class Drain:
         decision = self.decisions[self.turn % len(self.decisions)] if hostile else "ack"
         self.turn += 1
         if decision == "release_unstarted":
-            self.broker.release(Q, [(job.id, job.attempt, False)])
+            self.broker.release(Q, [(*job.fence, False)])
             return
-        if not self.broker.start(Q, [(job.id, job.attempt)])[0]:
+        if not self.broker.start(Q, [job.fence])[0]:
             return  # not ours any more: the worker drops it, recover brings it back
         try:
             payload.decode(job.payload)
@@ -222,15 +222,15 @@ class Drain:
         else:
             error = "no"
         if decision == "ack":
-            if self.broker.ack(Q, [(job.id, job.attempt)])[0]:
+            if self.broker.ack(Q, [job.fence])[0]:
                 self.ended.add(job.id)
         elif decision == "retry":
-            self.broker.nack(Q, [(job.id, job.attempt, 0, "try again")])
+            self.broker.nack(Q, [(*job.fence, 0, "try again")])
         elif decision == "dead":
-            if self.broker.nack(Q, [(job.id, job.attempt, -1, error)])[0]:
+            if self.broker.nack(Q, [(*job.fence, -1, error)])[0]:
                 self.ended.add(job.id)
         elif decision == "release_started":
-            self.broker.release(Q, [(job.id, job.attempt, True)])
+            self.broker.release(Q, [(*job.fence, True)])
         # "crash": do nothing; the lease expires
 
 
@@ -238,11 +238,13 @@ def drain_and_reconcile(broker: Broker, ids: list[str], decisions: list[str],
                         ended: set[str] | None = None) -> None:
     """Drain, then play reconcile for each job the mirror would still call unfinished.
 
-    Reconcile pushes a job again when Redis has no hash for it, and copies a
-    death Redis recorded; any other hash left behind by an empty queue is a
+    Reconcile pushes a job again when Redis has no hash for it, as its next
+    generation, and copies a death Redis recorded (or a cancel: staff write
+    it to the mirror); any other hash left behind by an empty queue is a
     stranded job. In the end every real job has ended.
     """
     drain = Drain(broker, decisions, ended=set(ended or ()))
+    generations: dict[str, int] = {}
     for _ in range(4):
         drain.run()
         lost = []
@@ -251,8 +253,9 @@ def drain_and_reconcile(broker: Broker, ids: list[str], decisions: list[str],
                 continue
             state = broker.client.hget(broker.keys(Q).job(job_id), "state")
             if state is None:
-                lost.append(new_job(job_id, attempts=1))
-            elif state == "dead":
+                generations[job_id] = generations.get(job_id, 0) + 1
+                lost.append(new_job(job_id, attempts=1, gen=generations[job_id]))
+            elif state in ("dead", "cancelled"):
                 drain.ended.add(job_id)
             else:
                 raise AssertionError(
@@ -312,7 +315,9 @@ def test_hostile_redis_contents_never_crash_lose_or_strand_a_job(
         st.tuples(st.just("field"), some_id, st.just("state"), unknown_state),
         st.tuples(st.just("hdel"), some_id, st.sampled_from(KNOWN_FIELDS)),
         st.tuples(st.just("delete"), some_id),
-        st.tuples(st.just("push"), st.sampled_from(["queued", "processing", "leases",
+        # (an id pushed onto landing stands for a worker that died right after
+        # its BLMOVE; recover leases and requeues it)
+        st.tuples(st.just("push"), st.sampled_from(["queued", "landing", "leases",
                                                      "scheduled", "dead"]), some_id, numbers),
         st.tuples(st.just("script"), st.sampled_from(scripts.SCRIPT_NAMES),
                   st.lists(st.one_of(some_id, numbers), max_size=9)),
@@ -327,7 +332,7 @@ def test_hostile_redis_contents_never_crash_lose_or_strand_a_job(
             broker.client.delete(k.job(step[1]))
         elif kind == "push":
             where, job_id, score = step[1], step[2], step[3]
-            if where in ("queued", "processing"):
+            if where in ("queued", "landing"):
                 broker.client.lpush(getattr(k, where), job_id)
             else:
                 # NaN is not a score: Redis refuses it, and nothing changes.
@@ -344,13 +349,13 @@ def test_a_job_hash_deleted_under_a_running_job_is_rebuilt_and_runs(broker: Brok
     # Given a job claimed and started by a worker
     broker.enqueue(Q, [new_job("victim")])
     job = broker.claim(Q, count=1, lease_ms=LONG_LEASE_MS).jobs[0]
-    assert broker.start(Q, [(job.id, job.attempt)]) == [True]
+    assert broker.start(Q, [job.fence]) == [True]
 
     # When its hash is deleted while it runs
     broker.client.delete(broker.keys(Q).job(job.id))
 
     # Then its worker's ack is refused (the job is not lost: it is still listed),
-    assert broker.ack(Q, [(job.id, job.attempt)]) == [False]
+    assert broker.ack(Q, [job.fence]) == [False]
     assert broker.client.lrange(broker.keys(Q).processing, 0, -1) == [job.id]
 
     # and once its lease expires the sweep moves the id aside, reconcile pushes
@@ -362,6 +367,7 @@ def test_a_job_hash_deleted_under_a_running_job_is_rebuilt_and_runs(broker: Brok
     ("attempts", "1.5"), ("attempts", "nan"), ("attempts", "inf"), ("attempts", "1e400"),
     ("attempts", "-7"), ("max_attempts", "nan"), ("max_attempts", "9e99"),
     ("max_attempts", "0.5"), ("max_attempts", "many"), ("state", "QUEUED"), ("state", ""),
+    ("gen", ""), ("gen", "1.5"), ("gen", "-1"), ("gen", "nan"), ("gen", "many"),
 ])
 def test_a_damaged_counter_or_state_never_loops_a_job_forever(
     broker: Broker, field_name: str, value: str
@@ -382,7 +388,7 @@ def test_release_of_a_job_with_a_damaged_budget_does_not_fail_half_way(broker: B
     broker.client.hset(broker.keys(Q).job("budget"), "max_attempts", "lots")
 
     # When its worker stops and hands it back unstarted
-    assert broker.release(Q, [(job.id, job.attempt, False)]) == [True]
+    assert broker.release(Q, [(*job.fence, False)]) == [True]
 
     # Then it is back on queued with a whole budget, one more than it had
     assert broker.client.lrange(broker.keys(Q).queued, 0, -1) == ["budget"]

@@ -11,6 +11,8 @@ from reliable_jobs.keys import QueueKeys, is_valid_queue_name, worker_key, worke
 DESIGN_TABLE = {
     "queued": "rj:{Q}:queued",
     "processing": "rj:{Q}:processing",
+    "landing": "rj:{Q}:landing",
+    "scan": "rj:{Q}:scan",
     "leases": "rj:{Q}:leases",
     "scheduled": "rj:{Q}:scheduled",
     "dead": "rj:{Q}:dead",
@@ -49,8 +51,8 @@ def test_every_key_of_a_queue_lives_in_one_cluster_slot() -> None:
         keys = QueueKeys("myapp", queue)
 
         # When every key of the queue is listed
-        names = [keys.queued, keys.processing, keys.leases, keys.scheduled, keys.dead,
-                 keys.wake, keys.job("some-id"), keys.job_prefix]
+        names = [keys.queued, keys.processing, keys.landing, keys.scan, keys.leases,
+                 keys.scheduled, keys.dead, keys.wake, keys.job("some-id"), keys.job_prefix]
 
         # Then each carries the {queue} tag, so all share the queue's slot
         assert all(f"{{{queue}}}" in name for name in names)

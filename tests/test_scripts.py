@@ -23,7 +23,15 @@ import redis
 from redis.crc import key_slot
 
 from reliable_jobs import scripts
-from reliable_jobs.broker import Broker, ClaimedJob, NewJob, QueueCounts, RecoveredJob
+from reliable_jobs.broker import (
+    TOMBSTONE_MS,
+    Broker,
+    ClaimedJob,
+    NewJob,
+    QueueCounts,
+    RecoveredJob,
+    Settlement,
+)
 from reliable_jobs.keys import QueueKeys
 from tests.conftest import wait_until
 
@@ -45,10 +53,10 @@ def broker(server_url: str) -> Iterator[Broker]:
     b.close()
 
 
-def new_job(job_id: str, *, max_attempts: int = 3, due_ms: int = 0, attempts: int = 0
-            ) -> NewJob:
+def new_job(job_id: str, *, max_attempts: int = 3, due_ms: int = 0, attempts: int = 0,
+            gen: int = 0) -> NewJob:
     payload = json.dumps({"task": "tests.noop", "args": [job_id], "kwargs": {}})
-    return NewJob(job_id, payload, max_attempts, due_ms=due_ms, attempts=attempts)
+    return NewJob(job_id, payload, max_attempts, due_ms=due_ms, attempts=attempts, gen=gen)
 
 
 def enqueue(broker: Broker, *job_ids: str, queue: str = Q, **options: Any) -> None:
@@ -74,6 +82,11 @@ def queued(broker: Broker, queue: str = Q) -> list[str]:
 
 def processing(broker: Broker, queue: str = Q) -> list[str]:
     return broker.client.lrange(broker.keys(queue).processing, 0, -1)
+
+
+def landing(broker: Broker, queue: str = Q) -> list[str]:
+    """Ids a worker moved off queued with BLMOVE and has not claimed yet."""
+    return broker.client.lrange(broker.keys(queue).landing, 0, -1)
 
 
 def zset(broker: Broker, key: str) -> dict[str, int]:
@@ -102,6 +115,7 @@ def snapshot(broker: Broker, job_ids: list[str], queue: str = Q) -> dict[str, An
     return {
         "queued": queued(broker, queue),
         "processing": processing(broker, queue),
+        "landing": landing(broker, queue),
         "leases": leases(broker, queue),
         "scheduled": scheduled(broker, queue),
         "dead": dead(broker, queue),
@@ -120,23 +134,31 @@ def assert_consistent(broker: Broker, queue: str = Q) -> None:
     """Each job hash sits exactly where its state says, and nowhere else."""
     k = broker.keys(queue)
     on_queued, on_processing = queued(broker, queue), processing(broker, queue)
+    on_landing = landing(broker, queue)
     held, waiting, buried = leases(broker, queue), scheduled(broker, queue), dead(broker, queue)
     for key in broker.client.scan_iter(match=f"{k.job_prefix}*", count=1_000):
         job_id = key[len(k.job_prefix):]
         state = broker.client.hget(key, "state")
-        where = (on_queued.count(job_id), on_processing.count(job_id),
+        where = (on_queued.count(job_id), on_landing.count(job_id), on_processing.count(job_id),
                  job_id in waiting, job_id in buried)
         if state == "running":
-            assert where == (0, 1, False, False), (job_id, state, where)
+            assert where == (0, 0, 1, False, False), (job_id, state, where)
             assert job_id in held, f"running job {job_id} has no lease"
-        elif state == "queued":
-            # On processing with state 'queued': moved by BLMOVE, not yet claimed.
-            assert where in ((1, 0, False, False), (0, 1, False, False)), (job_id, state, where)
+        elif state in ("queued", "cancelled"):
+            # On landing: moved by BLMOVE, not yet claimed. A cancelled job's id
+            # stays where it was until a claim drops it.
+            assert where in ((1, 0, 0, False, False), (0, 1, 0, False, False)), (
+                job_id, state, where)
         elif state == "scheduled":
-            assert where == (0, 0, True, False), (job_id, state, where)
+            assert where == (0, 0, 0, True, False), (job_id, state, where)
         elif state == "dead":
-            assert where == (0, 0, False, True), (job_id, state, where)
+            assert where == (0, 0, 0, False, True), (job_id, state, where)
             assert job_id not in held, f"dead job {job_id} still has a lease"
+        elif state == "finished":
+            # A rebuilt job's tombstone: on no list, and it expires.
+            assert where == (0, 0, 0, False, False), (job_id, state, where)
+            assert job_id not in held, f"finished job {job_id} still has a lease"
+            assert broker.client.pttl(key) > 0, f"tombstone {job_id} never expires"
         else:
             raise AssertionError(f"job {job_id} has the unknown state {state!r}")
 
@@ -284,7 +306,7 @@ def test_each_claim_increments_attempts(broker: Broker) -> None:
     # Given a job claimed once and put back at once after a failure
     enqueue(broker, "a", max_attempts=5)
     first = claim_one(broker)
-    assert broker.nack(Q, [("a", first.attempt, 0, "boom")]) == [True]
+    assert broker.nack(Q, [("a", first.attempt, 0, 0, "boom")]) == [True]
 
     # When it is claimed again
     second = claim_one(broker)
@@ -305,12 +327,12 @@ def test_claim_buries_a_job_with_no_attempt_left(broker: Broker) -> None:
     after_ms = broker.server_time_ms()
 
     # Then the spent job is reported dead instead of run (G3), and the other runs
-    assert result.dead == [("spent", 2)]
+    assert result.dead == [("spent", 2, 0)]
     assert [j.id for j in result.jobs] == ["fresh"]
     stored = hash_of(broker, "spent")
     assert stored["state"] == "dead"
     assert stored["attempts"] == "2"
-    assert stored["last_error"].startswith("AttemptsExhausted")
+    assert stored["last_error"].startswith("reliable_jobs.exceptions.AttemptsExhausted: ")
     assert before_ms <= dead(broker)["spent"] <= after_ms
     assert processing(broker) == ["fresh"]
     assert "spent" not in leases(broker)
@@ -339,15 +361,16 @@ def test_claim_stamps_the_id_blmove_moved(broker: Broker) -> None:
     enqueue(broker, "a", "b")
     woken = broker.wait([Q], timeout_s=1.0)
     assert woken == (Q, "a")
-    assert processing(broker) == ["a"]
+    assert (landing(broker), processing(broker)) == (["a"], [])
     assert hash_of(broker, "a")["state"] == "queued"
 
     # When it claims with that moved id and room for one job only
     result = broker.claim(Q, count=1, lease_ms=LONG_LEASE_MS, moved_id="a")
 
-    # Then the moved job is stamped, on processing once, and "b" still waits
-    assert [(j.id, j.attempt) for j in result.jobs] == [("a", 1)]
-    assert processing(broker) == ["a"]
+    # Then the moved job is stamped, taken off landing onto processing once,
+    # and "b" still waits
+    assert [(j.id, j.attempt, j.gen) for j in result.jobs] == [("a", 1, 0)]
+    assert (landing(broker), processing(broker)) == ([], ["a"])
     assert set(leases(broker)) == {"a"}
     assert queued(broker) == ["b"]
     assert result.remaining == 1
@@ -365,7 +388,7 @@ def test_claim_stamps_the_moved_id_first_then_takes_a_batch(broker: Broker) -> N
     # Then it holds all three, the moved one first
     assert [j.id for j in result.jobs] == ["a", "b", "c"]
     assert sorted(processing(broker)) == ["a", "b", "c"]
-    assert queued(broker) == []
+    assert (queued(broker), landing(broker)) == ([], [])
     assert_consistent(broker)
 
 
@@ -378,7 +401,7 @@ def test_claim_skips_a_moved_id_that_a_sweep_requeued_meanwhile(broker: Broker) 
     wait_past(broker, leases(broker)["a"])
     assert broker.recover(Q, lease_ms=SHORT_LEASE_MS).outcomes == [
         RecoveredJob("a", 0, "orphan")]
-    assert queued(broker) == ["a"]
+    assert (queued(broker), landing(broker)) == (["a"], [])
 
     # When the stalled worker wakes up and claims the id it moved
     result = broker.claim(Q, count=1, lease_ms=LONG_LEASE_MS, moved_id="a")
@@ -387,12 +410,12 @@ def test_claim_skips_a_moved_id_that_a_sweep_requeued_meanwhile(broker: Broker) 
     # running job would be out of recover's reach); the job is claimed the
     # ordinary way instead: moved onto processing, at its first attempt
     assert [(j.id, j.attempt) for j in result.jobs] == [("a", 1)]
-    assert queued(broker) == []
+    assert (queued(broker), landing(broker)) == ([], [])
     assert processing(broker) == ["a"]
     assert_consistent(broker)
     # and when that worker dies, the sweep gets the job back
-    assert broker.start(Q, [("a", 1)]) == [True]
-    assert broker.extend(Q, [("a", 1)], lease_ms=SHORT_LEASE_MS) == [True]
+    assert broker.start(Q, [("a", 1, 0)]) == [True]
+    assert broker.extend(Q, [("a", 1, 0)], lease_ms=SHORT_LEASE_MS) == [True]
     wait_past(broker, leases(broker)["a"])
     assert broker.recover(Q, lease_ms=LONG_LEASE_MS).outcomes == [
         RecoveredJob("a", 1, "expired")]
@@ -411,7 +434,7 @@ def test_claim_keeps_the_only_copy_of_a_job_another_worker_holds(broker: Broker)
         assert two.wait([Q], timeout_s=1.0) == (Q, "a")
         held = broker.claim(Q, count=1, lease_ms=SHORT_LEASE_MS, moved_id="a")
         assert [(j.id, j.attempt) for j in held.jobs] == [("a", 1)]
-        assert broker.start(Q, [("a", 1)]) == [True]
+        assert broker.start(Q, [("a", 1, 0)]) == [True]
 
         # When worker two claims its moved id too
         second = two.claim(Q, count=1, lease_ms=LONG_LEASE_MS, moved_id="a")
@@ -421,7 +444,7 @@ def test_claim_keeps_the_only_copy_of_a_job_another_worker_holds(broker: Broker)
     # Then worker two gets nothing, and the one copy on processing stays,
     # so the job is recovered if worker one dies
     assert second.jobs == []
-    assert processing(broker) == ["a"]
+    assert (processing(broker), landing(broker)) == (["a"], [])
     assert_consistent(broker)
     wait_past(broker, leases(broker)["a"])
     assert broker.recover(Q, lease_ms=LONG_LEASE_MS).outcomes == [
@@ -460,7 +483,7 @@ def test_claim_of_a_batch_beyond_luas_unpack_limit(broker: Broker) -> None:
     assert broker.client.llen(broker.keys(Q).processing) == len(ids)
 
     # When one ack finishes all of them
-    acked = broker.ack(Q, [(job_id, 1) for job_id in ids])
+    acked = broker.ack(Q, [(job_id, 1, 0) for job_id in ids])
 
     # Then nothing is left behind
     assert acked == [True] * len(ids)
@@ -472,16 +495,21 @@ def test_claim_of_a_batch_beyond_luas_unpack_limit(broker: Broker) -> None:
 # -- fencing: ack, nack, extend, release ---------------------------------------
 
 
-FencedOp = Callable[[Broker, str, int], list[bool]]
+FencedOp = Callable[[Broker, str, int, int], list[bool]]
 
 FENCED_OPS: dict[str, FencedOp] = {
-    "ack": lambda b, job_id, attempt: b.ack(Q, [(job_id, attempt)]),
-    "nack-dead": lambda b, job_id, attempt: b.nack(Q, [(job_id, attempt, -1, "boom")]),
-    "nack-now": lambda b, job_id, attempt: b.nack(Q, [(job_id, attempt, 0, "boom")]),
-    "nack-later": lambda b, job_id, attempt: b.nack(Q, [(job_id, attempt, 5_000, "boom")]),
-    "extend": lambda b, job_id, attempt: b.extend(Q, [(job_id, attempt)], lease_ms=90_000),
-    "release-unstarted": lambda b, job_id, attempt: b.release(Q, [(job_id, attempt, False)]),
-    "release-started": lambda b, job_id, attempt: b.release(Q, [(job_id, attempt, True)]),
+    "start": lambda b, job_id, attempt, gen: b.start(Q, [(job_id, attempt, gen)]),
+    "ack": lambda b, job_id, attempt, gen: b.ack(Q, [(job_id, attempt, gen)]),
+    "nack-dead": lambda b, job_id, attempt, gen: b.nack(Q, [(job_id, attempt, gen, -1, "boom")]),
+    "nack-now": lambda b, job_id, attempt, gen: b.nack(Q, [(job_id, attempt, gen, 0, "boom")]),
+    "nack-later": lambda b, job_id, attempt, gen: b.nack(Q, [(job_id, attempt, gen, 5_000,
+                                                               "boom")]),
+    "extend": lambda b, job_id, attempt, gen: b.extend(Q, [(job_id, attempt, gen)],
+                                                       lease_ms=90_000),
+    "release-unstarted": lambda b, job_id, attempt, gen: b.release(Q, [(job_id, attempt, gen,
+                                                                        False)]),
+    "release-started": lambda b, job_id, attempt, gen: b.release(Q, [(job_id, attempt, gen,
+                                                                      True)]),
 }
 
 
@@ -492,21 +520,23 @@ def test_a_stale_attempt_is_refused_and_changes_nothing(broker: Broker, op_name:
     enqueue(broker, "a", max_attempts=5)
     enqueue(broker, "other")
     stale = claim_one(broker)
-    assert broker.nack(Q, [("a", stale.attempt, 0, "first failure")]) == [True]
+    assert broker.nack(Q, [("a", stale.attempt, 0, 0, "first failure")]) == [True]
     broker.claim(Q, count=2, lease_ms=LONG_LEASE_MS)
     assert hash_of(broker, "a")["attempts"] == "2"
     before = snapshot(broker, ["a", "other"])
 
-    # When the worker of attempt one (or a confused one claiming attempt three) acts
-    refused = [op(broker, "a", 1), op(broker, "a", 3), op(broker, "unknown", 1)]
+    # When the worker of attempt one (or a confused one claiming attempt three,
+    # or attempt two of another generation) acts
+    refused = [op(broker, "a", 1, 0), op(broker, "a", 3, 0), op(broker, "a", 2, 1),
+               op(broker, "unknown", 1, 0)]
 
     # Then each is refused and nothing changed: hash, lists and sorted sets
-    assert refused == [[False], [False], [False]]
+    assert refused == [[False], [False], [False], [False]]
     assert snapshot(broker, ["a", "other"]) == before
 
     # When the holder of attempt two does the same
     # Then it is applied, so the refusal above was the fence at work
-    assert op(broker, "a", 2) == [True]
+    assert op(broker, "a", 2, 0) == [True]
     assert snapshot(broker, ["a", "other"]) != before
 
 
@@ -517,7 +547,7 @@ def test_a_fenced_batch_answers_each_job_on_its_own(broker: Broker) -> None:
     b_before = hash_of(broker, "b")
 
     # When one ack carries a current attempt for "a" and a stale one for "b"
-    result = broker.ack(Q, [("a", 1), ("b", 0)])
+    result = broker.ack(Q, [("a", 1, 0), ("b", 0, 0)])
 
     # Then only "a" is acked
     assert result == [True, False]
@@ -532,8 +562,8 @@ def test_ack_frees_the_job(broker: Broker) -> None:
     broker.claim(Q, count=2, lease_ms=LONG_LEASE_MS)
 
     # When "a" is acked, twice
-    first = broker.ack(Q, [("a", 1)])
-    second = broker.ack(Q, [("a", 1)])
+    first = broker.ack(Q, [("a", 1, 0)])
+    second = broker.ack(Q, [("a", 1, 0)])
 
     # Then the first ack frees it (history lives in the mirror), the second is refused
     assert (first, second) == ([True], [False])
@@ -550,7 +580,7 @@ def test_nack_with_delay_minus_one_buries_the_job(broker: Broker) -> None:
 
     # When its worker reports a non-retryable failure
     before_ms = broker.server_time_ms()
-    assert broker.nack(Q, [("a", job.attempt, -1, "PermanentFailure: no such user")]) == [True]
+    assert broker.nack(Q, [("a", job.attempt, 0, -1, "PermanentFailure: no such user")]) == [True]
     after_ms = broker.server_time_ms()
 
     # Then it is dead with the error recorded, and off processing and leases
@@ -571,7 +601,7 @@ def test_nack_with_delay_zero_queues_the_job_at_once(broker: Broker) -> None:
     broker.client.delete(broker.keys(Q).wake)
 
     # When its worker asks for an immediate retry
-    assert broker.nack(Q, [("a", job.attempt, 0, "ValueError: flaky")]) == [True]
+    assert broker.nack(Q, [("a", job.attempt, 0, 0, "ValueError: flaky")]) == [True]
 
     # Then it is queued behind the job that was already waiting, error kept
     stored = hash_of(broker, "a")
@@ -591,7 +621,7 @@ def test_nack_with_a_delay_schedules_the_job_at_server_time_plus_delay(broker: B
 
     # When its worker asks for a retry in 30 s
     before_ms = broker.server_time_ms()
-    assert broker.nack(Q, [("a", job.attempt, 30_000, "TimeoutError")]) == [True]
+    assert broker.nack(Q, [("a", job.attempt, 0, 30_000, "TimeoutError")]) == [True]
     after_ms = broker.server_time_ms()
 
     # Then it is scheduled at server TIME + 30 s, with the error kept
@@ -612,7 +642,7 @@ def test_extend_pushes_the_lease_to_server_time_plus_lease(broker: Broker) -> No
 
     # When its worker renews the lease for a minute
     before_ms = broker.server_time_ms()
-    assert broker.extend(Q, [("a", job.attempt)], lease_ms=LONG_LEASE_MS) == [True]
+    assert broker.extend(Q, [job.fence], lease_ms=LONG_LEASE_MS) == [True]
     after_ms = broker.server_time_ms()
 
     # Then the deadline is server TIME + one minute, and nothing else changed
@@ -630,7 +660,7 @@ def test_release_of_an_unstarted_job_gives_its_attempt_back(broker: Broker) -> N
     broker.client.delete(broker.keys(Q).wake)
 
     # When the worker shuts down gracefully
-    assert broker.release(Q, [("a", job.attempt, False)]) == [True]
+    assert broker.release(Q, [("a", job.attempt, 0, False)]) == [True]
 
     # Then the job is queued on the right, to run next, and the attempt is
     # returned: the budget grows by one (the counter itself never goes down,
@@ -649,7 +679,7 @@ def test_release_of_an_interrupted_job_keeps_its_attempt(broker: Broker) -> None
     job = claim_one(broker)
 
     # When the worker shuts down in the middle of it
-    assert broker.release(Q, [("a", job.attempt, True)]) == [True]
+    assert broker.release(Q, [("a", job.attempt, 0, True)]) == [True]
 
     # Then the job is queued again, and the attempt it used still counts
     stored = hash_of(broker, "a")
@@ -672,8 +702,8 @@ def test_start_marks_only_the_attempt_still_held(broker: Broker) -> None:
 
     # When both workers try to start it
     # Then only the holder of attempt 2 may run it
-    assert broker.start(Q, [("a", first.attempt)]) == [False]
-    assert broker.start(Q, [("a", second.attempt), ("missing", 1)]) == [True, False]
+    assert broker.start(Q, [first.fence]) == [False]
+    assert broker.start(Q, [second.fence, ("missing", 1, 0)]) == [True, False]
     assert hash_of(broker, "a")["started"] == "2"
     assert_consistent(broker)
 
@@ -684,7 +714,7 @@ def test_recover_refunds_an_expired_claim_that_never_started(broker: Broker) -> 
     enqueue(broker, "poison", "neighbour")
     jobs = broker.claim(Q, count=2, lease_ms=SHORT_LEASE_MS).jobs
     assert [j.id for j in jobs] == ["poison", "neighbour"]
-    assert broker.start(Q, [("poison", 1)]) == [True]
+    assert broker.start(Q, [("poison", 1, 0)]) == [True]
     wait_past(broker, max(leases(broker).values()))
 
     # When the sweep recovers both
@@ -712,7 +742,7 @@ def test_a_job_killing_its_worker_every_time_dies_without_taking_neighbours(
         assert {j.id for j in jobs} == {"poison", "neighbour"}
         poison = next(j for j in jobs if j.id == "poison")
         # When its worker starts it and dies, three times over
-        assert broker.start(Q, [("poison", poison.attempt)]) == [True]
+        assert broker.start(Q, [poison.fence]) == [True]
         wait_past(broker, max(leases(broker).values()))
         broker.recover(Q, lease_ms=LONG_LEASE_MS)
 
@@ -733,7 +763,7 @@ def test_recover_requeues_an_expired_lease_on_the_right(broker: Broker) -> None:
     # Given a job whose lease is about to expire, one safely leased, and one waiting
     enqueue(broker, "lost", "alive")
     lost = claim_one(broker, lease_ms=SHORT_LEASE_MS)
-    assert broker.start(Q, [(lost.id, lost.attempt)]) == [True]
+    assert broker.start(Q, [lost.fence]) == [True]
     claim_one(broker, lease_ms=LONG_LEASE_MS)
     enqueue(broker, "waiting")
     broker.client.delete(broker.keys(Q).wake)
@@ -763,7 +793,7 @@ def test_recover_buries_an_expired_job_with_no_attempt_left(broker: Broker) -> N
     # Given a one-attempt job whose lease expired
     enqueue(broker, "a", max_attempts=1)
     job = claim_one(broker, lease_ms=SHORT_LEASE_MS)
-    assert broker.start(Q, [(job.id, job.attempt)]) == [True]
+    assert broker.start(Q, [job.fence]) == [True]
     wait_past(broker, leases(broker)["a"])
 
     # When the sweep runs
@@ -775,7 +805,7 @@ def test_recover_buries_an_expired_job_with_no_attempt_left(broker: Broker) -> N
     assert result.outcomes == [RecoveredJob("a", 1, "dead")]
     stored = hash_of(broker, "a")
     assert stored["state"] == "dead"
-    assert stored["last_error"].startswith("LeaseExpired")
+    assert stored["last_error"].startswith("reliable_jobs.exceptions.LeaseExpired: ")
     assert before_ms <= dead(broker)["a"] <= after_ms
     assert (queued(broker), processing(broker), leases(broker)) == ([], [], {})
     assert_consistent(broker)
@@ -797,7 +827,7 @@ def test_recover_leases_an_orphan_then_requeues_it_without_charging(broker: Brok
     deadline = leases(broker)["a"]
     assert before_ms + 100 <= deadline <= after_ms + 100
     assert hash_of(broker, "a")["attempts"] == "0"
-    assert processing(broker) == ["a"]
+    assert (landing(broker), processing(broker)) == (["a"], [])
     # and a second pass before it expires leaves that lease alone
     assert broker.recover(Q, lease_ms=100).stamped == 0
     assert leases(broker) == {"a": deadline}
@@ -811,17 +841,34 @@ def test_recover_leases_an_orphan_then_requeues_it_without_charging(broker: Brok
     stored = hash_of(broker, "a")
     assert (stored["state"], stored["attempts"]) == ("queued", "0")
     assert queued(broker) == ["a"]
-    assert (processing(broker), leases(broker)) == ([], {})
+    assert (landing(broker), processing(broker), leases(broker)) == ([], [], {})
     assert wake_markers(broker) == 1
     assert claim_one(broker).attempt == 1
 
 
-def test_recover_moves_garbage_on_processing_aside(broker: Broker) -> None:
-    # Given an id on processing whose job hash does not exist
-    broker.client.lpush(broker.keys(Q).processing, "ghost")
+def test_recover_moves_garbage_on_landing_aside(broker: Broker) -> None:
+    # Given an id on landing whose job hash does not exist
+    broker.client.lpush(broker.keys(Q).landing, "ghost")
 
     # When the sweep leases it and finds it again after that lease expired
     assert broker.recover(Q, lease_ms=SHORT_LEASE_MS).stamped == 1
+    wait_past(broker, leases(broker)["ghost"])
+    result = broker.recover(Q, lease_ms=SHORT_LEASE_MS)
+
+    # Then it is reported as garbage, put in dead, and removed from landing
+    assert result.outcomes == [RecoveredJob("ghost", 0, "garbage")]
+    assert "ghost" in dead(broker)
+    assert (landing(broker), processing(broker), leases(broker), queued(broker)) == (
+        [], [], {}, [])
+
+
+def test_recover_moves_garbage_on_processing_aside(broker: Broker) -> None:
+    # Given a claimed job whose hash was lost while its id sat on processing
+    enqueue(broker, "ghost")
+    claim_one(broker, lease_ms=SHORT_LEASE_MS)
+    broker.client.delete(broker.keys(Q).job("ghost"))
+
+    # When the sweep finds it after that lease expired
     wait_past(broker, leases(broker)["ghost"])
     result = broker.recover(Q, lease_ms=SHORT_LEASE_MS)
 
@@ -832,9 +879,9 @@ def test_recover_moves_garbage_on_processing_aside(broker: Broker) -> None:
 
 
 def test_recover_drops_a_stray_copy_of_a_job_that_lives_elsewhere(broker: Broker) -> None:
-    # Given a scheduled job whose id also, wrongly, sits on processing
+    # Given a scheduled job whose id also, wrongly, sits on landing
     enqueue(broker, "a", due_ms=broker.server_time_ms() + 60_000)
-    broker.client.lpush(broker.keys(Q).processing, "a")
+    broker.client.lpush(broker.keys(Q).landing, "a")
     before = hash_of(broker, "a")
 
     # When the sweep leases the stray and finds it again after that lease expired
@@ -844,7 +891,8 @@ def test_recover_drops_a_stray_copy_of_a_job_that_lives_elsewhere(broker: Broker
 
     # Then the stray copy is dropped and the scheduled job is untouched
     assert result.outcomes == [RecoveredJob("a", 0, "dropped")]
-    assert (processing(broker), leases(broker), queued(broker)) == ([], {}, [])
+    assert (landing(broker), processing(broker), leases(broker), queued(broker)) == (
+        [], [], {}, [])
     assert hash_of(broker, "a") == before
     assert "a" in scheduled(broker)
     assert_consistent(broker)
@@ -888,10 +936,18 @@ def test_cancel_removes_a_queued_job(broker: Broker) -> None:
     # When staff cancel one
     result = broker.cancel(Q, "a")
 
-    # Then it is gone, the other is untouched
+    # Then it is marked cancelled where it waits, the other is untouched
     assert result == (True, "queued")
+    assert hash_of(broker, "a")["state"] == "cancelled"
+    assert_consistent(broker)
+
+    # and once a worker reaches it, it is gone and never ran; the other runs
+    claimed = broker.claim(Q, count=2, lease_ms=LONG_LEASE_MS)
+    assert [j.id for j in claimed.jobs] == ["b"]
+    assert (claimed.dead, claimed.garbage) == ([], [])
     assert hash_of(broker, "a") == {}
-    assert queued(broker) == ["b"]
+    assert (queued(broker), processing(broker)) == ([], ["b"])
+    assert "a" not in dead(broker)
 
 
 def test_cancel_removes_a_scheduled_job(broker: Broker) -> None:
@@ -927,7 +983,7 @@ def test_revive_queues_a_dead_job_with_more_attempts(broker: Broker) -> None:
     # Given a job buried after its first of three attempts
     enqueue(broker, "a", max_attempts=3)
     job = claim_one(broker)
-    broker.nack(Q, [("a", job.attempt, -1, "PermanentFailure: bad input")])
+    broker.nack(Q, [("a", job.attempt, 0, -1, "PermanentFailure: bad input")])
     broker.client.delete(broker.keys(Q).wake)
 
     # When staff revive it with two more attempts
@@ -964,9 +1020,9 @@ def test_the_wake_marker_never_exceeds_one(broker: Broker) -> None:
 
     # When every script that pushes work runs while no worker takes the marker
     jobs = broker.claim(Q, count=3, lease_ms=SHORT_LEASE_MS).jobs
-    broker.nack(Q, [(jobs[0].id, 1, 0, "retry now")])
-    broker.release(Q, [(jobs[1].id, 1, False)])
-    broker.nack(Q, [(jobs[2].id, 1, -1, "dead")])
+    broker.nack(Q, [(jobs[0].id, 1, 0, 0, "retry now")])
+    broker.release(Q, [(jobs[1].id, 1, 0, False)])
+    broker.nack(Q, [(jobs[2].id, 1, 0, -1, "dead")])
     broker.revive(Q, jobs[2].id, extra_attempts=1)
     enqueue(broker, "soon", due_ms=broker.server_time_ms() + 50)
     wait_past(broker, scheduled(broker)["soon"])
@@ -979,6 +1035,381 @@ def test_the_wake_marker_never_exceeds_one(broker: Broker) -> None:
 
     # Then one marker is waiting, never a pile of them
     assert wake_markers(broker) == 1
+
+
+# -- generations: a rebuild from the mirror fences out older holders -------------
+
+
+@pytest.mark.parametrize("mirrored_attempts", [1, 0], ids=["mirror-current", "mirror-lagging"])
+def test_a_holder_from_before_redis_lost_the_job_is_refused_after_a_rebuild(
+    broker: Broker, mirrored_attempts: int
+) -> None:
+    # Given a job claimed as attempt 1 of generation 0
+    enqueue(broker, "a")
+    stale = claim_one(broker)
+    assert stale.fence == ("a", 1, 0)
+    # and Redis then lost everything, and the sweep rebuilt the job from the
+    # mirror as generation 1 with the attempts the mirror had seen (1, or 0
+    # when the mirror lagged behind the claim)
+    broker.client.flushdb()
+    assert broker.enqueue(Q, [new_job("a", attempts=mirrored_attempts, gen=1)]) == 1
+
+    # When another worker claims the rebuilt job
+    current = claim_one(broker)
+
+    # Then its token is new, even when its attempt number is the stale one's
+    assert current.fence == ("a", mirrored_attempts + 1, 1)
+    before = snapshot(broker, ["a"])
+
+    # When the stale holder starts, extends, acks, nacks or releases with its old fence
+    # Then each is refused, and nothing changed
+    assert broker.start(Q, [stale.fence]) == [False]
+    assert broker.extend(Q, [stale.fence], lease_ms=LONG_LEASE_MS) == [False]
+    assert broker.ack(Q, [stale.fence]) == [False]
+    assert broker.nack(Q, [(*stale.fence, -1, "stale")]) == [False]
+    assert broker.release(Q, [(*stale.fence, True)]) == [False]
+    assert snapshot(broker, ["a"]) == before
+
+    # When the current holder does the same with its fence
+    # Then it is accepted, and the ack of the rebuilt job leaves a tombstone
+    assert broker.start(Q, [current.fence]) == [True]
+    assert broker.extend(Q, [current.fence], lease_ms=LONG_LEASE_MS) == [True]
+    assert broker.ack(Q, [current.fence]) == [True]
+    assert hash_of(broker, "a") == {"state": "finished", "gen": "1"}
+    assert (queued(broker), processing(broker), leases(broker)) == ([], [], {})
+    assert_consistent(broker)
+
+
+def test_a_late_push_after_the_ack_of_a_rebuilt_job_is_refused(broker: Broker) -> None:
+    # Given a job rebuilt from the mirror (generation 1), claimed and acked
+    assert broker.enqueue(Q, [new_job("a", attempts=1, gen=1)]) == 1
+    job = claim_one(broker)
+    assert job.fence == ("a", 2, 1)
+    assert broker.ack(Q, [job.fence]) == [True]
+
+    # Then its hash is a tombstone that expires
+    key = broker.keys(Q).job("a")
+    assert hash_of(broker, "a") == {"state": "finished", "gen": "1"}
+    assert 0 < broker.client.pttl(key) <= TOMBSTONE_MS
+    tombstone = snapshot(broker, ["a"])
+
+    # When the on-commit push from before the rebuild arrives late (generation
+    # 0), and a second push of generation 1
+    late = broker.enqueue(Q, [new_job("a")])
+    again = broker.enqueue(Q, [new_job("a", attempts=1, gen=1)])
+
+    # Then both are refused: the job does not run again
+    assert (late, again) == (0, 0)
+    assert snapshot(broker, ["a"]) == tombstone
+
+    # When a later rebuild (generation 2) pushes it, next to a new job, in one call
+    k = broker.keys(Q)
+    rebuilt, fresh = new_job("a", attempts=2, gen=2), new_job("b")
+    args = [x for j in (new_job("a"), rebuilt, fresh)
+            for x in (j.id, j.payload, j.max_attempts, j.due_ms, j.attempts, j.gen)]
+    written = broker._run("enqueue", (k.queued, k.scheduled, k.wake, k.job_prefix), args)
+
+    # Then the script answers per job: the stale push refused, the newer
+    # generation replacing the tombstone (no expiry left), the new job written
+    assert written == [0, 1, 1]
+    stored = hash_of(broker, "a")
+    assert (stored["state"], stored["attempts"], stored["gen"]) == ("queued", "2", "2")
+    assert broker.client.pttl(key) == -1
+    assert queued(broker) == ["b", "a"]
+    assert claim_one(broker).fence == ("a", 3, 2)
+    assert_consistent(broker)
+
+
+# -- cancel of a queued job: O(1), taking effect at the claim ------------------------
+
+
+def test_a_cancelled_queued_job_stays_listed_until_a_claim_drops_it(broker: Broker) -> None:
+    # Given three queued jobs, the middle one cancelled by staff
+    enqueue(broker, "a", "b", "c")
+    assert broker.cancel(Q, "b") == (True, "queued")
+
+    # Then its id stays where it waits, and its hash says cancelled
+    assert queued(broker) == ["c", "b", "a"]
+    assert hash_of(broker, "b")["state"] == "cancelled"
+    # and a second cancel, or a late push of the job, is refused
+    assert broker.cancel(Q, "b") == (False, "cancelled")
+    assert broker.enqueue(Q, [new_job("b")]) == 0
+    assert_consistent(broker)
+
+    # When workers claim one job at a time until the queue is empty
+    results = []
+    while queued(broker):
+        results.append(broker.claim(Q, count=1, lease_ms=LONG_LEASE_MS))
+
+    # Then the cancelled job is never returned, neither dead nor garbage, and its
+    # id and hash are gone; the others run
+    assert [j.id for r in results for j in r.jobs] == ["a", "c"]
+    assert [(r.dead, r.garbage) for r in results] == [([], [])] * 3
+    assert hash_of(broker, "b") == {}
+    assert sorted(processing(broker)) == ["a", "c"]
+    assert set(leases(broker)) == {"a", "c"}
+    assert "b" not in dead(broker)
+    assert_consistent(broker)
+
+
+def test_a_cancelled_id_moved_by_blmove_is_dropped_by_the_claim(broker: Broker) -> None:
+    # Given a queued job cancelled, then moved onto landing by a waiting worker
+    enqueue(broker, "a")
+    assert broker.cancel(Q, "a") == (True, "queued")
+    assert broker.wait([Q], timeout_s=1.0) == (Q, "a")
+
+    # When that worker claims with the moved id
+    result = broker.claim(Q, count=1, lease_ms=LONG_LEASE_MS, moved_id="a")
+
+    # Then nothing is claimed, and the id and hash are gone from everywhere
+    assert (result.jobs, result.dead, result.garbage) == ([], [], [])
+    assert hash_of(broker, "a") == {}
+    assert (queued(broker), landing(broker), processing(broker)) == ([], [], [])
+    assert "a" not in leases(broker) and "a" not in dead(broker)
+
+
+def test_cancel_among_ten_thousand_queued_jobs_does_not_search_the_list(broker: Broker) -> None:
+    # Given 10,000 queued jobs
+    ids = [f"j{i}" for i in range(10_000)]
+    assert broker.enqueue(Q, [new_job(job_id) for job_id in ids]) == len(ids)
+    queued_key = broker.keys(Q).queued
+
+    # When staff cancel one in the middle
+    assert broker.cancel(Q, "j5000") == (True, "queued")
+
+    # Then the list was not searched or changed: same length, the id in its place
+    assert broker.client.llen(queued_key) == len(ids)
+    assert broker.client.lindex(queued_key, len(ids) - 1 - 5000) == "j5000"
+    assert hash_of(broker, "j5000")["state"] == "cancelled"
+
+    # and when a worker claims them all, the cancelled one is dropped, not run
+    result = broker.claim(Q, count=len(ids), lease_ms=LONG_LEASE_MS)
+    assert [j.id for j in result.jobs] == [job_id for job_id in ids if job_id != "j5000"]
+    assert (result.dead, result.garbage, result.remaining) == ([], [], 0)
+    assert hash_of(broker, "j5000") == {}
+    assert broker.client.llen(broker.keys(Q).processing) == len(ids) - 1
+
+
+# -- settling: the mirror already holds an expired attempt's outcome -----------------
+
+
+def started_and_expired(broker: Broker, job_id: str, **options: Any) -> ClaimedJob:
+    """Enqueue and claim ``job_id`` with a short lease, start it, and let the lease expire."""
+    enqueue(broker, job_id, **options)
+    job = claim_one(broker, lease_ms=SHORT_LEASE_MS)
+    assert job.id == job_id
+    assert broker.start(Q, [job.fence]) == [True]
+    wait_past(broker, leases(broker)[job_id])
+    return job
+
+
+@pytest.mark.parametrize("gen", [0, 1])
+def test_recover_settles_an_expired_attempt_the_mirror_saw_succeed(
+    broker: Broker, gen: int
+) -> None:
+    # Given a started attempt whose worker wrote success to the mirror, then
+    # died before its ack, so its lease expired
+    job = started_and_expired(broker, "a", gen=gen)
+    assert broker.expired(Q) == [("a", 1, gen)]
+
+    # When the sweep recovers, passing the outcome it found in the mirror
+    result = broker.recover(Q, lease_ms=LONG_LEASE_MS,
+                            settle=[Settlement("a", job.attempt, gen, "succeeded")])
+
+    # Then the job is finished like an ack: not requeued, not buried
+    assert result.outcomes == [RecoveredJob("a", 1, "settled")]
+    assert result.outcomes[0].gen == gen
+    if gen == 0:
+        assert hash_of(broker, "a") == {}
+    else:
+        assert hash_of(broker, "a") == {"state": "finished", "gen": str(gen)}
+    assert (queued(broker), processing(broker), leases(broker), dead(broker)) == (
+        [], [], {}, {})
+    assert broker.expired(Q) == []
+    assert_consistent(broker)
+
+
+def test_recover_settles_an_expired_attempt_the_mirror_saw_die(broker: Broker) -> None:
+    # Given a started attempt (attempts left) whose worker recorded its death in
+    # the mirror, then died before its nack
+    job = started_and_expired(broker, "a", max_attempts=5)
+
+    # When the sweep recovers, passing that outcome
+    before_ms = broker.server_time_ms()
+    result = broker.recover(Q, lease_ms=LONG_LEASE_MS, settle=[
+        Settlement("a", job.attempt, 0, "dead", "builtins.ValueError: bad input")])
+    after_ms = broker.server_time_ms()
+
+    # Then it is buried with that error instead of being run again
+    assert result.outcomes == [RecoveredJob("a", 1, "settled")]
+    stored = hash_of(broker, "a")
+    assert (stored["state"], stored["attempts"], stored["last_error"]) == (
+        "dead", "1", "builtins.ValueError: bad input")
+    assert before_ms <= int(stored["finished_ms"]) <= after_ms
+    assert before_ms <= dead(broker)["a"] <= after_ms
+    assert (queued(broker), processing(broker), leases(broker)) == ([], [], {})
+    assert_consistent(broker)
+
+
+def test_a_settlement_that_does_not_fit_the_attempt_changes_nothing(broker: Broker) -> None:
+    # Given "a" started with its lease expired, and "b" started and still leased
+    started_and_expired(broker, "a")
+    enqueue(broker, "b")
+    b = claim_one(broker)
+    assert broker.start(Q, [b.fence]) == [True]
+    before = snapshot(broker, ["a", "b"])
+
+    # When recover (handling no expired lease: limit 0) is told to settle "a"
+    # with the wrong generation or attempt, "b" whose lease has not expired,
+    # or an outcome that is not final
+    result = broker.recover(Q, lease_ms=LONG_LEASE_MS, limit=0, settle=[
+        Settlement("a", 1, 1, "succeeded"), Settlement("a", 2, 0, "succeeded"),
+        Settlement("a", 0, 0, "dead", "x"), Settlement("b", 1, 0, "succeeded"),
+        Settlement("a", 1, 0, "running"), Settlement("missing", 1, 0, "succeeded")])
+
+    # Then nothing was settled and nothing changed
+    assert result.outcomes == []
+    assert snapshot(broker, ["a", "b"]) == before
+
+    # When the settlement fits
+    # Then it is applied, so the refusals above were the fence at work
+    assert broker.recover(Q, lease_ms=LONG_LEASE_MS, limit=0, settle=[
+        Settlement("a", 1, 0, "succeeded")]).outcomes == [RecoveredJob("a", 1, "settled")]
+    assert hash_of(broker, "a") == {}
+    assert hash_of(broker, "b") == before["jobs"]["b"]
+
+
+def test_expired_lists_only_started_running_attempts_whose_lease_expired(
+    broker: Broker
+) -> None:
+    # Given, with short leases: an orphan on landing whose first lease
+    # expired, a started attempt, one of generation 2, and one that never
+    # started; and a started attempt leased for long
+    enqueue(broker, "orphan")
+    assert broker.wait([Q], timeout_s=1.0) == (Q, "orphan")
+    assert broker.recover(Q, lease_ms=SHORT_LEASE_MS).stamped == 1
+    started_and_expired(broker, "started")
+    started_and_expired(broker, "rebuilt", attempts=1, gen=2)
+    enqueue(broker, "unstarted")
+    claim_one(broker, lease_ms=SHORT_LEASE_MS)
+    enqueue(broker, "alive")
+    alive = claim_one(broker)
+    assert broker.start(Q, [alive.fence]) == [True]
+    wait_past(broker, max(leases(broker)[i] for i in ("unstarted", "orphan")))
+    before = snapshot(broker, ["started", "rebuilt", "unstarted", "alive", "orphan"])
+
+    # When the sweep asks which attempts expired
+    found = broker.expired(Q)
+
+    # Then only the started, running, expired ones, each with its token, and
+    # nothing changed (read-only)
+    assert sorted(found) == [("rebuilt", 2, 2), ("started", 1, 0)]
+    # (limit bounds the expired leases inspected, listed or not)
+    assert broker.expired(Q, limit=0) == []
+    assert snapshot(broker, ["started", "rebuilt", "unstarted", "alive", "orphan"]) == before
+
+
+# -- landing: orphans of BLMOVE, found whatever processing holds ----------------------
+
+
+def lua_commands(broker: Broker, action: Callable[[], Any]) -> tuple[Any, list[list[str]]]:
+    """Run ``action`` under MONITOR; return its result and the commands its scripts ran.
+
+    Only commands run inside a script called with keys under this broker's
+    prefix count (other clients may share the server).
+    """
+    end = f"end-of-action-{uuid.uuid4().hex}"
+    monitor_client = redis.Redis.from_url(broker.url, decode_responses=True, socket_timeout=20)
+    ready = threading.Event()
+
+    def record() -> list[str]:
+        lines: list[str] = []
+        with monitor_client.monitor() as monitor:
+            ready.set()
+            while end not in (line := monitor.connection.read_response()):
+                lines.append(line)
+        return lines
+
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            recording = pool.submit(record)
+            assert ready.wait(timeout=10)
+            result = action()
+            broker.client.echo(end)
+            lines = recording.result(timeout=30)
+    finally:
+        monitor_client.close()
+    commands: list[list[str]] = []
+    ours = False
+    for line in lines:
+        client, arguments = parse_monitor_line(line)
+        if client != "lua":
+            ours = (arguments[0].upper() == "EVALSHA" and int(arguments[2]) > 0
+                    and arguments[3].startswith(f"{broker.prefix}:"))
+        elif ours:
+            commands.append([arguments[0].upper(), *arguments[1:]])
+    return result, commands
+
+
+def test_an_orphan_on_landing_behind_twenty_thousand_claimed_jobs_is_requeued(
+    broker: Broker
+) -> None:
+    # Given 20,000 claimed jobs on processing, leased for long
+    ids = [f"j{i}" for i in range(20_000)]
+    assert broker.enqueue(Q, [new_job(job_id) for job_id in ids]) == len(ids)
+    assert len(broker.claim(Q, count=len(ids), lease_ms=LONG_LEASE_MS).jobs) == len(ids)
+    # and one more job, moved onto landing by a worker that died before its claim
+    enqueue(broker, "orphan")
+    assert broker.wait([Q], timeout_s=1.0) == (Q, "orphan")
+    processing_key = broker.keys(Q).processing
+
+    # When the sweep runs
+    first, stamping = lua_commands(broker, lambda: broker.recover(Q, lease_ms=SHORT_LEASE_MS))
+
+    # Then the orphan gets a lease, and processing was read only in one
+    # bounded slice (the walk for ids without a lease), never whole
+    assert (first.outcomes, first.stamped) == ([], 1)
+    assert set(leases(broker)) == {*ids, "orphan"}
+    assert stamping and [c for c in stamping if processing_key in c] == [
+        ["LRANGE", processing_key, "0", "99"]]
+
+    # When that lease expires and the sweep runs again
+    wait_past(broker, leases(broker)["orphan"])
+    second, requeueing = lua_commands(broker, lambda: broker.recover(Q,
+                                                                     lease_ms=SHORT_LEASE_MS))
+
+    # Then the orphan is back on queued, not charged an attempt, and the claimed
+    # jobs are untouched; processing was never scanned for orphans (at most
+    # the orphan's own id was removed from it)
+    assert second.outcomes == [RecoveredJob("orphan", 0, "orphan")]
+    assert (queued(broker), landing(broker)) == (["orphan"], [])
+    stored = hash_of(broker, "orphan")
+    assert (stored["state"], stored["attempts"]) == ("queued", "0")
+    assert broker.client.llen(processing_key) == len(ids)
+    assert set(leases(broker)) == set(ids)
+    assert [c for c in requeueing if processing_key in c and c[0] != "LRANGE"] in (
+        [], [["LREM", processing_key, "-1", "orphan"]])
+    assert [c for c in requeueing if processing_key in c and c[0] == "LRANGE"] == [
+        ["LRANGE", processing_key, "100", "199"]]
+    assert claim_one(broker).fence == ("orphan", 1, 0)
+
+
+def test_recover_stamps_at_most_limit_ids_on_landing(broker: Broker) -> None:
+    # Given three ids moved onto landing by workers that died before claiming
+    enqueue(broker, "a", "b", "c")
+    for expected in ("a", "b", "c"):
+        assert broker.wait([Q], timeout_s=1.0) == (Q, expected)
+    assert landing(broker) == ["c", "b", "a"]
+
+    # When the sweep runs with a limit of two, twice
+    first = broker.recover(Q, lease_ms=LONG_LEASE_MS, limit=2)
+    second = broker.recover(Q, lease_ms=LONG_LEASE_MS, limit=2)
+
+    # Then the first pass stamps two and the second none (NX: the two newest
+    # keep their leases)
+    assert (first.stamped, second.stamped) == (2, 0)
+    assert set(leases(broker)) == {"b", "c"}
+    assert_consistent(broker)
 
 
 # -- two clients at once ------------------------------------------------------
@@ -1033,7 +1464,7 @@ def claim_and_expire(broker: Broker, count: int) -> list[str]:
     broker.enqueue(Q, [new_job(job_id) for job_id in ids])
     jobs = broker.claim(Q, count=count, lease_ms=SHORT_LEASE_MS).jobs
     assert len(jobs) == count
-    assert broker.start(Q, [(j.id, j.attempt) for j in jobs]) == [True] * count
+    assert broker.start(Q, [j.fence for j in jobs]) == [True] * count
     wait_past(broker, max(leases(broker).values()))
     return ids
 
@@ -1045,7 +1476,7 @@ def test_recover_racing_ack_ends_each_job_acked_or_requeued_never_both(broker: B
 
     def acker(b: Broker) -> dict[str, bool]:
         start.wait(timeout=10)
-        return {job_id: b.ack(Q, [(job_id, 1)])[0] for job_id in ids}
+        return {job_id: b.ack(Q, [(job_id, 1, 0)])[0] for job_id in ids}
 
     def sweeper(b: Broker) -> list[RecoveredJob]:
         outcomes: list[RecoveredJob] = []
@@ -1114,8 +1545,9 @@ def test_two_sweeps_at_once_requeue_each_expired_job_once(broker: Broker) -> Non
 
 #: Commands the scripts use whose first argument is their only key.
 ONE_KEY_COMMANDS = frozenset({
-    "EXISTS", "HDEL", "HGET", "HINCRBY", "HMGET", "HSET", "LLEN", "LPOS", "LPUSH", "LRANGE",
-    "LREM", "LTRIM", "RPUSH", "ZADD", "ZRANGEBYSCORE", "ZREM", "ZSCORE",
+    "EXISTS", "GET", "HDEL", "HGET", "HINCRBY", "HMGET", "HSET", "LLEN", "LPOS", "LPUSH",
+    "LRANGE", "LREM", "LTRIM", "PEXPIRE", "RPUSH", "SET", "ZADD", "ZRANGEBYSCORE", "ZREM",
+    "ZSCORE",
 })
 #: Commands whose every argument is a key.
 ALL_KEY_COMMANDS = frozenset({"DEL"})
@@ -1186,8 +1618,11 @@ def key_problems(source: str) -> list[str]:
         job_keys = set(re.findall(rf"\blocal\s+(\w+)\s*=\s*{job_prefix}\s*\.\.\s*\w+\s*$", code,
                                   flags=re.MULTILINE))
     for name in plain_keys | job_keys:
-        if len(re.findall(rf"(?<![.\w]){name}\s*=(?!=)", code)) != 1:
-            problems.append(f"the key local {name} is assigned more than once")
+        # A job key local may be bound in several loops, each time to a job hash.
+        bindings = 1 if name in plain_keys else len(re.findall(
+            rf"\blocal\s+{name}\s*=\s*{job_prefix}\s*\.\.\s*\w+\s*$", code, flags=re.MULTILINE))
+        if len(re.findall(rf"(?<![.\w]){name}\s*=(?!=)", code)) != bindings:
+            problems.append(f"the key local {name} is assigned something other than its key")
     appended: dict[str, set[str]] = {}
     for table, value in re.findall(r"(\w+)\[#\1\s*\+\s*1\]\s*=\s*(\w+)", code):
         appended.setdefault(table, set()).add(value)
@@ -1258,6 +1693,8 @@ def test_the_key_check_catches_literal_and_argv_keys() -> None:
         "keys inline": "redis.call('LLEN', KEYS[1])",
         "prefix alone": "local job_prefix = KEYS[1]\nredis.call('DEL', job_prefix)",
         "rebound": "local q = KEYS[1]\nq = ARGV[1]\nredis.call('LLEN', q)",
+        "job key rebound": ("local job_prefix = KEYS[1]\nlocal k = job_prefix .. ARGV[1]\n"
+                            "k = ARGV[2]\nredis.call('DEL', k)"),
         "mixed table": ("local job_prefix = KEYS[1]\nlocal k = job_prefix .. ARGV[1]\n"
                         "local t = {}\nt[#t + 1] = k\nt[#t + 1] = other\n"
                         "redis.call('DEL', unpack(t))"),
@@ -1286,11 +1723,12 @@ def run_every_script(broker: Broker, queue: str) -> None:
                            new_job("soon", due_ms=now_ms - 1)])
     broker.promote(queue)
     jobs = broker.claim(queue, count=3, lease_ms=SHORT_LEASE_MS).jobs
-    broker.start(queue, [(jobs[0].id, 1)])
-    broker.extend(queue, [(jobs[0].id, 1)], lease_ms=SHORT_LEASE_MS)
-    broker.ack(queue, [(jobs[0].id, 1)])
-    broker.nack(queue, [(jobs[1].id, 1, -1, "dead")])
-    broker.release(queue, [(jobs[2].id, 1, True)])
+    broker.start(queue, [jobs[0].fence])
+    broker.extend(queue, [jobs[0].fence], lease_ms=SHORT_LEASE_MS)
+    broker.ack(queue, [jobs[0].fence])
+    broker.nack(queue, [(jobs[1].id, 1, 0, -1, "dead")])
+    broker.release(queue, [(jobs[2].id, 1, 0, True)])
+    broker.expired(queue)
     broker.recover(queue, lease_ms=SHORT_LEASE_MS)
     broker.cancel(queue, "later")
     broker.revive(queue, jobs[1].id, extra_attempts=1)
@@ -1360,3 +1798,22 @@ def test_every_key_the_broker_passes_shares_the_queues_slot(broker: Broker) -> N
             assert key_slot(key.encode()) == key_slot(queue.encode()), (name, key)
     # (wake.lua runs only on a cluster, on the shared wake slot: test_cluster.py)
     assert seen == set(scripts.SCRIPT_NAMES) - {"wake"}
+
+
+def test_an_id_on_processing_without_a_lease_is_found_by_the_walk(broker: Broker) -> None:
+    # Given 250 claimed jobs, and an id someone pushed onto processing by hand
+    # (or a script left there half-way), with no lease
+    ids = [f"j{i}" for i in range(250)]
+    assert broker.enqueue(Q, [new_job(job_id) for job_id in ids]) == len(ids)
+    assert len(broker.claim(Q, count=len(ids), lease_ms=LONG_LEASE_MS).jobs) == len(ids)
+    broker.client.rpush(broker.keys(Q).processing, "stray")
+
+    # When the sweep runs often enough for its walk to pass over processing
+    stamped = sum(broker.recover(Q, lease_ms=SHORT_LEASE_MS).stamped for _ in range(3))
+
+    # Then the stray id got a lease, and once that expires it leaves processing
+    assert stamped == 1 and "stray" in leases(broker)
+    wait_past(broker, leases(broker)["stray"])
+    result = broker.recover(Q, lease_ms=SHORT_LEASE_MS)
+    assert [(o.id, o.kind) for o in result.outcomes] == [("stray", "garbage")]
+    assert "stray" not in processing(broker)

@@ -179,8 +179,11 @@ def test_only_tasks_of_installed_apps_are_allowed(settings: Any) -> None:
     assert tasks.lookup("testproject.demo.tasks.add") is None
 
 
-#: Modules on the path from Redis to a running task, and the sweep.
-JOB_PATH_MODULES = ("broker", "isolation", "payload", "retry", "sweep", "tasks", "worker")
+#: Modules on the path from Redis to a running task, and the sweep (the
+#: worker package's modules each count).
+JOB_PATH_MODULES = ("broker", "isolation", "payload", "retry", "sweep", "tasks",
+                    *sorted(f"worker/{path.stem}" for path in
+                            (REPO / "reliable_jobs" / "worker").glob("*.py")))
 #: Anything that turns data into code or objects.
 FORBIDDEN_IMPORTS = {"pickle", "cPickle", "marshal", "shelve", "dill", "cloudpickle",
                      "jsonpickle", "yaml", "importlib"}
@@ -319,7 +322,8 @@ def test_task_names_never_reach_redis_keys(
     # queues' own keys or a heartbeat: none was built from a task name
     assert contents(redis_client, "*{other}*") == other_before
     allowed = {getattr(QueueKeys("rj", q), name) for q in ("default", "other")
-               for name in ("queued", "processing", "leases", "scheduled", "dead", "wake")}
+               for name in ("queued", "processing", "landing", "scan", "leases", "scheduled",
+                            "dead", "wake")}
     for key in redis_client.scan_iter("*"):
         if key.startswith(("rj:{default}:job:", "rj:{other}:job:")):
             uuid.UUID(key.rsplit(":", 1)[1])  # a job id, nothing else

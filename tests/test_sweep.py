@@ -45,7 +45,7 @@ def test_a_job_that_finishes_while_reconcile_looks_is_not_pushed_again(
         job_id=result.id, attempt=1, job_state=JobState.SUCCEEDED, worker_id="w",
         started_at=timezone.now(), finished_at=timezone.now(),
         outcome=AttemptOutcome.SUCCEEDED, return_value=3)])
-    assert backend.broker.ack("default", [(claimed[0].id, 1)]) == [True]
+    assert backend.broker.ack("default", [claimed[0].fence]) == [True]
     pushed, buried = Sweep(backend)._reconcile_queue("default", rows, older_than)
 
     # Then: it is not pushed again, and its row stays succeeded

@@ -15,6 +15,7 @@ SCRIPT_NAMES = (
     "cancel",
     "claim",
     "enqueue",
+    "expired",
     "extend",
     "nack",
     "promote",

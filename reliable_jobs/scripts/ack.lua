@@ -5,29 +5,50 @@
   KEYS[2] leases      zset   id -> lease deadline (ms)
   KEYS[3] job prefix  string job hashes are KEYS[3] .. id (same {queue} slot)
 
-  ARGV, repeated in pairs: id, attempt (the fencing token from claim)
+  ARGV[1]  tombstone_ms  how long a finished rebuilt job's tombstone lives
+  ARGV[2..] repeated in groups of three: id, attempt, gen (the fencing token
+           from claim)
 
   Only the current holder may ack: the job must be 'running' with exactly
-  that attempt number, or the ack is refused (a stale worker whose lease
-  expired cannot complete a job someone else now holds). The hash is freed:
+  that attempt number and generation, or the ack is refused (a stale worker
+  whose lease expired, or who held the job before Redis lost it and it was
+  rebuilt, cannot complete a job someone else now holds). The hash is freed:
   the history lives in the database mirror, which is written before the ack.
+  A job rebuilt from the mirror (gen > 0) leaves a tombstone instead, state
+  'finished' for tombstone_ms: a late push of it from before the rebuild (an
+  on-commit push that lost a race with reconcile) is refused by enqueue.lua
+  instead of running the job again.
 
-  Returns: a list with 1 (acked) or 0 (refused) per pair.
+  Returns: a list with 1 (acked) or 0 (refused) per group.
+  Errors: tombstone_ms not a whole number from 1 to 2^52 (nothing is written).
 ]]
 local processing_key = KEYS[1]
 local leases_key = KEYS[2]
 local job_prefix = KEYS[3]
 
+local tombstone_ms = tonumber(ARGV[1])
+if tombstone_ms == nil or tombstone_ms ~= math.floor(tombstone_ms) or tombstone_ms < 1
+    or tombstone_ms > 4503599627370496 then
+  return redis.error_reply('ERR ack: tombstone_ms must be a whole number from 1 to 2^52')
+end
+
 local results, done_ids, done_keys = {}, {}, {}
-for i = 1, #ARGV, 2 do
+for i = 2, #ARGV, 3 do
   local job_id = ARGV[i]
   local job_key = job_prefix .. job_id
-  local job = redis.call('HMGET', job_key, 'state', 'attempts')
-  if job[1] == 'running' and job[2] == ARGV[i + 1] then
+  local job = redis.call('HMGET', job_key, 'state', 'attempts', 'gen')
+  local gen = job[3] or '0'
+  if job[1] == 'running' and job[2] == ARGV[i + 1] and gen == ARGV[i + 2] then
     -- Claimed ids sit near the tail of processing: search from there.
     redis.call('LREM', processing_key, -1, job_id)
     done_ids[#done_ids + 1] = job_id
-    done_keys[#done_keys + 1] = job_key
+    if gen == '0' then
+      done_keys[#done_keys + 1] = job_key
+    else
+      redis.call('DEL', job_key)
+      redis.call('HSET', job_key, 'state', 'finished', 'gen', gen)
+      redis.call('PEXPIRE', job_key, tombstone_ms)
+    end
     results[#results + 1] = 1
   else
     results[#results + 1] = 0
@@ -38,6 +59,8 @@ end
 for i = 1, #done_ids, 1000 do
   local last = math.min(i + 999, #done_ids)
   redis.call('ZREM', leases_key, unpack(done_ids, i, last))
-  redis.call('DEL', unpack(done_keys, i, last))
+end
+for i = 1, #done_keys, 1000 do
+  redis.call('DEL', unpack(done_keys, i, math.min(i + 999, #done_keys)))
 end
 return results

@@ -10,6 +10,11 @@
   A running job is never dropped silently: cancel refuses it, and says
   which state it found.
 
+  A queued job is not searched for on its list (LREM over a long queue is
+  O(n)): its hash becomes a tombstone, state 'cancelled', and claim.lua drops
+  the id with its hash when it reaches it, so the job never starts. A
+  scheduled job is taken off its sorted set at once (O(log n)).
+
   Returns: { cancelled (1 or 0), state found ('' when no hash) }
 ]]
 local queued_key = KEYS[1]
@@ -19,13 +24,11 @@ local job_prefix = KEYS[3]
 local job_id = ARGV[1]
 local job_key = job_prefix .. job_id
 local state = redis.call('HGET', job_key, 'state') or ''
-local removed = 0
 if state == 'queued' then
-  removed = redis.call('LREM', queued_key, 1, job_id)
-elseif state == 'scheduled' then
-  removed = redis.call('ZREM', scheduled_key, job_id)
+  redis.call('HSET', job_key, 'state', 'cancelled')
+  return { 1, state }
 end
-if removed > 0 then
+if state == 'scheduled' and redis.call('ZREM', scheduled_key, job_id) > 0 then
   redis.call('DEL', job_key)
   return { 1, state }
 end

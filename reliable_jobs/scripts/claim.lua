@@ -7,13 +7,15 @@
   KEYS[4] dead        zset   id -> time of death (ms)
   KEYS[5] wake        list   at most one marker, pushed when work is left
   KEYS[6] job prefix  string job hashes are KEYS[6] .. id (same {queue} slot)
+  KEYS[7] landing     list   ids a worker moved off queued with BLMOVE and
+                             has not stamped yet (a few at most)
 
   ARGV[1] count     how many jobs to claim at most
   ARGV[2] lease_ms  lease length in milliseconds
-  ARGV[3] moved_id  an id the worker already moved onto processing with
-                    BLMOVE (stamped first), or '' for none; ignored when it is
-                    no longer on processing (a sweep requeued it as an orphan
-                    while the worker stalled)
+  ARGV[3] moved_id  an id the worker already moved onto landing with BLMOVE
+                    (stamped first, and moved onto processing), or '' for
+                    none; ignored when it is no longer on landing (a sweep
+                    requeued it as an orphan while the worker stalled)
 
   Taking the batch with LRANGE + LTRIM + LPUSH inside one script is the same
   atomic move as LMOVE, for many ids at once: an id is always on exactly one
@@ -25,15 +27,19 @@
   so that reconcile rebuilds the job from the database. A copy of an id
   whose job is not 'queued' is a stray and dropped, except the last copy of
   a 'running' job on processing: that one belongs to the job's holder, and
-  without it an expired lease could never be recovered.
+  without it an expired lease could never be recovered. The id of a job
+  cancelled while queued (state 'cancelled', see cancel.lua) is dropped
+  with its hash: that is where a cancel takes effect.
 
-  attempts and max_attempts are read as whole numbers from 0 (1) to 2^31 - 1
-  (the mirror's integer columns) whatever the hash holds, so the token
-  written back always reads the same as the one returned.
+  attempts, gen and max_attempts are read as whole numbers from 0 (1) to
+  2^31 - 1 (the mirror's integer columns) whatever the hash holds, and
+  attempts and gen are written back, so the token the fenced scripts compare
+  always reads the same as the one returned.
 
   Returns: { jobs, dead, garbage, remaining }
-    jobs      flat list: id, attempt, max_attempts, payload (per job)
-    dead      flat list: id, attempts (jobs that had no attempt left)
+    jobs      flat list: id, attempt, max_attempts, payload, gen (per job);
+              attempt and gen together are the fencing token
+    dead      flat list: id, attempts, gen (jobs that had no attempt left)
     garbage   list of ids moved aside: no job hash, or a damaged one
     remaining length of queued after the claim
   Errors: count or lease_ms not a whole number from 0 to 2^52 (nothing is
@@ -45,6 +51,7 @@ local leases_key = KEYS[3]
 local dead_key = KEYS[4]
 local wake_key = KEYS[5]
 local job_prefix = KEYS[6]
+local landing_key = KEYS[7]
 
 -- A whole number from ARGV, or an error reply before anything is written.
 local function whole(value, name)
@@ -66,7 +73,9 @@ local function count_of(value, lowest)
   return math.max(lowest, math.min(MAX_COUNT, math.floor(n)))
 end
 
-local KNOWN_STATES = { queued = true, running = true, scheduled = true, dead = true }
+local KNOWN_STATES = {
+  queued = true, running = true, scheduled = true, dead = true, finished = true, cancelled = true
+}
 
 local count = whole(ARGV[1], 'count')
 local lease_ms = whole(ARGV[2], 'lease_ms')
@@ -78,9 +87,9 @@ local deadline_ms = now_ms + lease_ms
 
 local ids = {}
 -- Stamping a moved id that is back on queued would leave a running job off
--- processing, out of recover's reach. BLMOVE pushed it on the left: LPOS
--- finds it near the head.
-if moved_id ~= '' and redis.call('LPOS', processing_key, moved_id) then
+-- processing, out of recover's reach: only one still on landing is taken.
+if moved_id ~= '' and redis.call('LREM', landing_key, 1, moved_id) > 0 then
+  redis.call('LPUSH', processing_key, moved_id)
   ids[1] = moved_id
 end
 local wanted = count - #ids
@@ -102,7 +111,8 @@ end
 local jobs, dead, garbage, lease_args = {}, {}, {}, {}
 for _, job_id in ipairs(ids) do
   local job_key = job_prefix .. job_id
-  local job = redis.call('HMGET', job_key, 'state', 'attempts', 'max_attempts', 'payload')
+  local job = redis.call('HMGET', job_key, 'state', 'attempts', 'max_attempts', 'payload', 'gen')
+  local gen = count_of(job[5], 0)
   if not KNOWN_STATES[job[1]] then
     -- No hash, or a damaged one: the database still has the job, and
     -- reconcile pushes it again once its hash is gone.
@@ -110,6 +120,9 @@ for _, job_id in ipairs(ids) do
     redis.call('DEL', job_key)
     redis.call('ZADD', dead_key, now_ms, job_id)
     garbage[#garbage + 1] = job_id
+  elseif job[1] == 'cancelled' then
+    redis.call('LREM', processing_key, 1, job_id)
+    redis.call('DEL', job_key)
   elseif job[1] ~= 'queued' then
     -- A stray second copy of a job that lives elsewhere: drop this copy,
     -- unless it is the only copy of a running job on processing.
@@ -124,19 +137,22 @@ for _, job_id in ipairs(ids) do
       redis.call('LREM', processing_key, 1, job_id)
       redis.call('ZADD', dead_key, now_ms, job_id)
       redis.call('HSET', job_key, 'state', 'dead', 'finished_ms', now_ms, 'last_error',
-        'AttemptsExhausted: claimed ' .. attempts .. ' of ' .. max_attempts ..
+        'reliable_jobs.exceptions.AttemptsExhausted: claimed ' .. attempts .. ' of ' .. max_attempts ..
         ' times without finishing (worker lost or lease expired)')
       dead[#dead + 1] = job_id
       dead[#dead + 1] = attempts
+      dead[#dead + 1] = gen
     else
       attempts = attempts + 1
-      redis.call('HSET', job_key, 'state', 'running', 'attempts', attempts, 'started_ms', now_ms)
+      redis.call('HSET', job_key, 'state', 'running', 'attempts', attempts, 'gen', gen,
+        'started_ms', now_ms)
       lease_args[#lease_args + 1] = deadline_ms
       lease_args[#lease_args + 1] = job_id
       jobs[#jobs + 1] = job_id
       jobs[#jobs + 1] = attempts
       jobs[#jobs + 1] = max_attempts
       jobs[#jobs + 1] = job[4] or ''
+      jobs[#jobs + 1] = gen
     end
   end
 end

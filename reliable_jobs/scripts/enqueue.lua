@@ -6,39 +6,64 @@
   KEYS[3] wake       list   at most one marker, pushed when work arrives
   KEYS[4] job prefix string job hashes are KEYS[4] .. id (same {queue} slot)
 
-  ARGV, repeated in groups of five, one group per job:
+  ARGV, repeated in groups of six, one group per job:
     id            job id
     payload       JSON text
     max_attempts  integer >= 1
     due_ms        run_after in ms since the epoch, 0 for "now"
     attempts      attempts already spent (0 for a new job; the mirror's count
                   when the sweep rebuilds a job that Redis lost)
+    gen           the job's generation: 0 when first enqueued, and one more
+                  at every rebuild from the mirror (part of the fencing
+                  token, so a holder from before a rebuild is refused)
 
   A job whose hash already exists is left alone, so the on-commit push and a
-  reconcile push of the same job can never queue it twice.
+  reconcile push of the same job can never queue it twice. A finished job
+  of a generation > 0 leaves a tombstone (state 'finished', see ack.lua),
+  and so does a job cancelled while queued ('cancelled', see cancel.lua):
+  a push of the same or an older generation (a late on-commit push) is
+  refused by it, a push of a newer generation (a rebuild) replaces it.
 
-  Returns: the number of jobs written.
-  Errors: ARGV not in groups of five (nothing is written).
+  Returns: a list with 1 (written) or 0 (left alone) per job.
+  Errors: ARGV not in groups of six, or a gen that is not a whole number
+  from 0 to 2^31 - 1 (nothing is written).
 ]]
 local queued_key = KEYS[1]
 local scheduled_key = KEYS[2]
 local wake_key = KEYS[3]
 local job_prefix = KEYS[4]
 
-if #ARGV % 5 ~= 0 then
-  return redis.error_reply(
-    'ERR enqueue: ARGV must come in groups of five (id, payload, max_attempts, due_ms, attempts)')
+if #ARGV % 6 ~= 0 then
+  return redis.error_reply('ERR enqueue: ARGV must come in groups of six '
+    .. '(id, payload, max_attempts, due_ms, attempts, gen)')
+end
+
+-- Every gen must be a whole number within the mirror's integer range, before
+-- anything is written.
+for i = 6, #ARGV, 6 do
+  local gen = tonumber(ARGV[i])
+  if gen == nil or gen ~= math.floor(gen) or gen < 0 or gen > 2147483647 then
+    return redis.error_reply('ERR enqueue: gen must be a whole number from 0 to 2^31 - 1, not '
+      .. string.sub(tostring(ARGV[i]), 1, 40))
+  end
 end
 
 local clock = redis.call('TIME')
 local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 
-local written = 0
+local written = {}
 local ready = {}
-for i = 1, #ARGV, 5 do
+for i = 1, #ARGV, 6 do
   local job_id = ARGV[i]
   local job_key = job_prefix .. job_id
-  if redis.call('EXISTS', job_key) == 0 then
+  local found = redis.call('HMGET', job_key, 'state', 'gen')
+  local free = found[1] == false
+  if (found[1] == 'finished' or found[1] == 'cancelled')
+      and (tonumber(ARGV[i + 5]) or 0) > (tonumber(found[2]) or 0) then
+    redis.call('DEL', job_key)
+    free = true
+  end
+  if free then
     local due_ms = tonumber(ARGV[i + 3]) or 0
     local state = 'queued'
     if due_ms > now_ms then
@@ -48,8 +73,11 @@ for i = 1, #ARGV, 5 do
       ready[#ready + 1] = job_id
     end
     redis.call('HSET', job_key, 'state', state, 'payload', ARGV[i + 1],
-      'max_attempts', ARGV[i + 2], 'attempts', ARGV[i + 4], 'enqueued_ms', now_ms)
-    written = written + 1
+      'max_attempts', ARGV[i + 2], 'attempts', ARGV[i + 4], 'gen', ARGV[i + 5],
+      'enqueued_ms', now_ms)
+    written[#written + 1] = 1
+  else
+    written[#written + 1] = 0
   end
 end
 

@@ -5,13 +5,14 @@
   KEYS[2] job prefix  string job hashes are KEYS[2] .. id (same {queue} slot)
 
   ARGV[1] lease_ms   new lease length from now, in milliseconds
-  ARGV[2..]          pairs: id, attempt (the fencing token from claim)
+  ARGV[2..]          groups of three: id, attempt, gen (the fencing token
+                     from claim)
 
   A renewal from a worker that no longer holds the attempt (its lease
   expired and the job was recovered or claimed again) is refused, and the
   lease it would have extended is left alone.
 
-  Returns: a list with 1 (extended) or 0 (refused) per pair.
+  Returns: a list with 1 (extended) or 0 (refused) per group.
   Errors: lease_ms not a whole number from 0 to 2^52 (nothing is written).
 ]]
 local leases_key = KEYS[1]
@@ -27,10 +28,10 @@ end
 local deadline_ms = now_ms + lease_ms
 
 local results = {}
-for i = 2, #ARGV, 2 do
+for i = 2, #ARGV, 3 do
   local job_id = ARGV[i]
-  local job = redis.call('HMGET', job_prefix .. job_id, 'state', 'attempts')
-  if job[1] == 'running' and job[2] == ARGV[i + 1]
+  local job = redis.call('HMGET', job_prefix .. job_id, 'state', 'attempts', 'gen')
+  if job[1] == 'running' and job[2] == ARGV[i + 1] and (job[3] or '0') == ARGV[i + 2]
       and redis.call('ZSCORE', leases_key, job_id) then
     redis.call('ZADD', leases_key, deadline_ms, job_id)
     results[#results + 1] = 1

@@ -9,9 +9,10 @@
   KEYS[6] wake        list   at most one marker, pushed when work arrives
   KEYS[7] job prefix  string job hashes are KEYS[7] .. id (same {queue} slot)
 
-  ARGV, repeated in groups of four, one per failed attempt:
+  ARGV, repeated in groups of five, one per failed attempt:
     id        job id
-    attempt   the fencing token from claim
+    attempt   the fencing token from claim, with gen
+    gen       the job's generation (see enqueue.lua)
     delay_ms  retry after this many ms (0: queue at once); -1: the job is dead
     error     the error text kept in last_error
 
@@ -23,7 +24,7 @@
   cut to 2^52 ms (a job due in some 140,000 years, still in scheduled).
 
   Returns: a list with 1 (applied) or 0 (refused: stale attempt) per group.
-  Errors: ARGV not in groups of four (nothing is written).
+  Errors: ARGV not in groups of five (nothing is written).
 ]]
 local queued_key = KEYS[1]
 local processing_key = KEYS[2]
@@ -33,8 +34,9 @@ local dead_key = KEYS[5]
 local wake_key = KEYS[6]
 local job_prefix = KEYS[7]
 
-if #ARGV % 4 ~= 0 then
-  return redis.error_reply('ERR nack: ARGV must come in groups of four (id, attempt, delay_ms, error)')
+if #ARGV % 5 ~= 0 then
+  return redis.error_reply(
+    'ERR nack: ARGV must come in groups of five (id, attempt, gen, delay_ms, error)')
 end
 
 -- The delay decided by the worker (task code may pick it): -1 for dead.
@@ -51,24 +53,25 @@ local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 
 local results = {}
 local queued_now = 0
-for i = 1, #ARGV, 4 do
+for i = 1, #ARGV, 5 do
   local job_id = ARGV[i]
   local job_key = job_prefix .. job_id
-  local delay_ms = delay_of(ARGV[i + 2])
-  local job = redis.call('HMGET', job_key, 'state', 'attempts')
-  if job[1] == 'running' and job[2] == ARGV[i + 1] then
+  local delay_ms = delay_of(ARGV[i + 3])
+  local error_text = ARGV[i + 4]
+  local job = redis.call('HMGET', job_key, 'state', 'attempts', 'gen')
+  if job[1] == 'running' and job[2] == ARGV[i + 1] and (job[3] or '0') == ARGV[i + 2] then
     redis.call('LREM', processing_key, -1, job_id)
     redis.call('ZREM', leases_key, job_id)
     if delay_ms < 0 then
       redis.call('ZADD', dead_key, now_ms, job_id)
-      redis.call('HSET', job_key, 'state', 'dead', 'finished_ms', now_ms, 'last_error', ARGV[i + 3])
+      redis.call('HSET', job_key, 'state', 'dead', 'finished_ms', now_ms, 'last_error', error_text)
     elseif delay_ms == 0 then
       redis.call('LPUSH', queued_key, job_id)
-      redis.call('HSET', job_key, 'state', 'queued', 'last_error', ARGV[i + 3])
+      redis.call('HSET', job_key, 'state', 'queued', 'last_error', error_text)
       queued_now = queued_now + 1
     else
       redis.call('ZADD', scheduled_key, now_ms + delay_ms, job_id)
-      redis.call('HSET', job_key, 'state', 'scheduled', 'last_error', ARGV[i + 3])
+      redis.call('HSET', job_key, 'state', 'scheduled', 'last_error', error_text)
     end
     results[#results + 1] = 1
   else

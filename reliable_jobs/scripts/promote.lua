@@ -23,7 +23,9 @@ local job_prefix = KEYS[4]
 local clock = redis.call('TIME')
 local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 
-local KNOWN_STATES = { queued = true, running = true, scheduled = true, dead = true }
+local KNOWN_STATES = {
+  queued = true, running = true, scheduled = true, dead = true, finished = true, cancelled = true
+}
 
 local due = redis.call('ZRANGEBYSCORE', scheduled_key, '-inf', now_ms, 'LIMIT', 0, tonumber(ARGV[1]))
 local ready = {}

@@ -7,21 +7,38 @@
   KEYS[4] dead        zset   id -> time of death (ms)
   KEYS[5] wake        list   at most one marker, pushed when work arrives
   KEYS[6] job prefix  string job hashes are KEYS[6] .. id (same {queue} slot)
+  KEYS[7] landing     list   ids moved off queued by BLMOVE, not yet stamped
+  KEYS[8] scan        string where the walk over processing resumes
 
-  ARGV[1] limit           expired leases handled per call at most
-  ARGV[2] lease_ms        lease given to an id found on processing without one
-  ARGV[3] orphan_scan     how many ids at the tail of processing to inspect
+  ARGV[1] limit      expired leases handled per call at most
+  ARGV[2] lease_ms   lease given to an id found on landing without one
+  ARGV[3] tombstone_ms  how long a settled rebuilt job's tombstone lives
+  ARGV[4..]          groups of five, the attempts to settle: id, attempt,
+                     gen, final ('succeeded' or 'dead'), error
 
-  An expired 'running' job whose attempt never started (no start mark for
-  it, see start.lua) goes back on the right of queued with one more attempt
-  in its budget (max_attempts + 1): its worker died before running it, so
-  it is not charged. One whose attempt started and whose attempts are spent
-  goes to dead (G3); otherwise it goes back on the right of queued, to run
-  next. An id on
-  processing with no lease at all (its worker died between BLMOVE and the
+  Settling comes first. An expired attempt whose outcome the database mirror
+  already holds (its worker wrote the mirror, then died or stalled before
+  its ack: the caller read that from the mirror, see expired.lua) is
+  finished as that outcome instead of being run again or buried: removed
+  like an ack ('succeeded'; a tombstone when gen > 0, see ack.lua) or
+  buried with that error ('dead'). Fenced: only if the job is still
+  'running' with that attempt and gen and its lease has expired.
+
+  Then every other expired lease. An expired 'running' job whose attempt
+  never started (no start mark for it, see start.lua) goes back on the right
+  of queued with one more attempt in its budget (max_attempts + 1): its
+  worker died before running it, so it is not charged. One whose attempt
+  started and whose attempts are spent goes to dead (G3); otherwise it goes
+  back on the right of queued, to run next.
+
+  An id on landing with no lease (its worker died between BLMOVE and the
   claim script) is stamped with a lease the first time it is seen, and comes
   back when that expires without being charged an attempt: its state is
-  still 'queued' because no claim ever ran.
+  still 'queued' because no claim ever ran. Landing holds only ids between
+  a BLMOVE and the claim that follows it, so this costs the same however
+  many jobs are in flight. An id on processing without a lease (written
+  there by hand, or left by a script that failed half-way) is found by a
+  walk over processing, 100 ids per call, and stamped the same way.
 
   An id with no job hash is garbage and goes to dead; so does one whose hash
   is damaged (no state, or a state no script writes), and that hash is
@@ -33,14 +50,15 @@
   is one atomic script, and an id is acted on only if LREM found it.
 
   Returns: { outcomes, stamped }
-    outcomes  flat list: id, attempts, max_attempts, kind per handled lease,
-              where kind is 'expired' (requeued), 'unstarted' (requeued,
-              refunded), 'dead', 'orphan' (requeued, never claimed),
-              'garbage' (no job hash, or a damaged one) or 'dropped'
-              (stray copy of a job that lives elsewhere)
+    outcomes  flat list: id, attempts, max_attempts, kind, gen per handled
+              lease, where kind is 'settled' (finished as the mirror says),
+              'expired' (requeued), 'unstarted' (requeued, refunded),
+              'dead', 'orphan' (requeued, never claimed), 'garbage' (no job
+              hash, or a damaged one) or 'dropped' (stray copy of a job
+              that lives elsewhere)
     stamped   how many orphans got a first lease
-  Errors: limit, lease_ms or orphan_scan not a whole number from 0 to 2^52
-  (nothing is written).
+  Errors: limit, lease_ms or tombstone_ms not a whole number from 0 to 2^52, or the
+  settle groups not in fives (nothing is written).
 ]]
 local queued_key = KEYS[1]
 local processing_key = KEYS[2]
@@ -48,6 +66,11 @@ local leases_key = KEYS[3]
 local dead_key = KEYS[4]
 local wake_key = KEYS[5]
 local job_prefix = KEYS[6]
+local landing_key = KEYS[7]
+local scan_key = KEYS[8]
+
+-- Ids of processing inspected per call for a missing lease.
+local SCAN_SLICE = 100
 
 -- A whole number from ARGV, or an error reply before anything is written.
 local function whole(value, name)
@@ -69,23 +92,65 @@ local function count_of(value, lowest)
   return math.max(lowest, math.min(MAX_COUNT, math.floor(n)))
 end
 
-local KNOWN_STATES = { queued = true, running = true, scheduled = true, dead = true }
+local KNOWN_STATES = {
+  queued = true, running = true, scheduled = true, dead = true, finished = true, cancelled = true
+}
 
 local limit = whole(ARGV[1], 'limit')
 local lease_ms = whole(ARGV[2], 'lease_ms')
-local orphan_scan = whole(ARGV[3], 'orphan_scan')
+local tombstone_ms = math.max(1, whole(ARGV[3], 'tombstone_ms'))
+if (#ARGV - 3) % 5 ~= 0 then
+  error({ err = 'ERR recover: the attempts to settle must come in groups of five '
+    .. '(id, attempt, gen, final, error)' })
+end
 
 local clock = redis.call('TIME')
 local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 
 local outcomes = {}
 local requeued = 0
+
+local function report(job_id, attempts, max_attempts, kind, gen)
+  outcomes[#outcomes + 1] = job_id
+  outcomes[#outcomes + 1] = attempts
+  outcomes[#outcomes + 1] = max_attempts
+  outcomes[#outcomes + 1] = kind
+  outcomes[#outcomes + 1] = gen
+end
+
+for i = 4, #ARGV, 5 do
+  local job_id, final = ARGV[i], ARGV[i + 3]
+  local job_key = job_prefix .. job_id
+  local job = redis.call('HMGET', job_key, 'state', 'attempts', 'gen', 'max_attempts')
+  local gen = job[3] or '0'
+  local deadline = tonumber(redis.call('ZSCORE', leases_key, job_id))
+  if job[1] == 'running' and job[2] == ARGV[i + 1] and gen == ARGV[i + 2]
+      and deadline and deadline <= now_ms and (final == 'succeeded' or final == 'dead') then
+    redis.call('ZREM', leases_key, job_id)
+    redis.call('LREM', processing_key, -1, job_id)
+    if final == 'dead' then
+      redis.call('ZADD', dead_key, now_ms, job_id)
+      redis.call('HSET', job_key, 'state', 'dead', 'finished_ms', now_ms,
+        'last_error', ARGV[i + 4])
+    elseif gen == '0' then
+      redis.call('DEL', job_key)
+    else
+      redis.call('DEL', job_key)
+      redis.call('HSET', job_key, 'state', 'finished', 'gen', gen)
+      redis.call('PEXPIRE', job_key, tombstone_ms)
+    end
+    report(job_id, count_of(job[2], 0), count_of(job[4], 1), 'settled', gen)
+  end
+end
 local expired = redis.call('ZRANGEBYSCORE', leases_key, '-inf', now_ms, 'LIMIT', 0, limit)
 for _, job_id in ipairs(expired) do
   redis.call('ZREM', leases_key, job_id)
-  if redis.call('LREM', processing_key, -1, job_id) > 0 then
+  -- Landing holds a few ids at most: look there first, so requeuing an
+  -- orphan never walks the whole of processing.
+  if redis.call('LREM', landing_key, 1, job_id) > 0
+      or redis.call('LREM', processing_key, -1, job_id) > 0 then
     local job_key = job_prefix .. job_id
-    local job = redis.call('HMGET', job_key, 'state', 'attempts', 'max_attempts', 'started')
+    local job = redis.call('HMGET', job_key, 'state', 'attempts', 'max_attempts', 'started', 'gen')
     local attempts = count_of(job[2], 0)
     local max_attempts = count_of(job[3], 1)
     local kind
@@ -103,7 +168,7 @@ for _, job_id in ipairs(expired) do
       kind = 'dead'
       redis.call('ZADD', dead_key, now_ms, job_id)
       redis.call('HSET', job_key, 'state', 'dead', 'finished_ms', now_ms, 'last_error',
-        'LeaseExpired: the lease of attempt ' .. attempts .. ' of ' .. max_attempts ..
+        'reliable_jobs.exceptions.LeaseExpired: the lease of attempt ' .. attempts .. ' of ' .. max_attempts ..
         ' expired (worker lost or stalled) and no attempt is left')
     elseif job[1] == 'running' or job[1] == 'queued' then
       if job[1] == 'running' then kind = 'expired' else kind = 'orphan' end
@@ -112,19 +177,34 @@ for _, job_id in ipairs(expired) do
       requeued = requeued + 1
     else
       kind = 'dropped'
+      if job[1] == 'cancelled' then
+        redis.call('DEL', job_key)  -- no copy of it is left to drop it later
+      end
     end
-    outcomes[#outcomes + 1] = job_id
-    outcomes[#outcomes + 1] = attempts
-    outcomes[#outcomes + 1] = max_attempts
-    outcomes[#outcomes + 1] = kind
+    report(job_id, attempts, max_attempts, kind, count_of(job[5], 0))
   end
 end
 
 local stamped = 0
-if orphan_scan > 0 then
-  for _, job_id in ipairs(redis.call('LRANGE', processing_key, -orphan_scan, -1)) do
+if limit > 0 then
+  for _, job_id in ipairs(redis.call('LRANGE', landing_key, 0, limit - 1)) do
     stamped = stamped + redis.call('ZADD', leases_key, 'NX', now_ms + lease_ms, job_id)
   end
+  -- Every id on processing has a lease (claim.lua stamps it in the same
+  -- step), unless someone wrote there by hand or a script failed half-way.
+  -- A cursor walks processing a slice per call and stamps such ids, so they
+  -- are recovered too, at a cost that does not grow with the jobs in flight.
+  local cursor = tonumber(redis.call('GET', scan_key)) or 0
+  local slice = redis.call('LRANGE', processing_key, cursor, cursor + SCAN_SLICE - 1)
+  for _, job_id in ipairs(slice) do
+    stamped = stamped + redis.call('ZADD', leases_key, 'NX', now_ms + lease_ms, job_id)
+  end
+  if #slice < SCAN_SLICE then
+    cursor = 0
+  else
+    cursor = cursor + SCAN_SLICE
+  end
+  redis.call('SET', scan_key, cursor)
 end
 
 if requeued > 0 and redis.call('LLEN', wake_key) == 0 then

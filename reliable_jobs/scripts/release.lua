@@ -7,9 +7,10 @@
   KEYS[4] wake        list   at most one marker, pushed when work arrives
   KEYS[5] job prefix  string job hashes are KEYS[5] .. id (same {queue} slot)
 
-  ARGV, repeated in groups of three:
+  ARGV, repeated in groups of four:
     id        job id
-    attempt   the fencing token from claim
+    attempt   the fencing token from claim, with gen
+    gen       the job's generation (see enqueue.lua)
     started   1 if the task had started (interrupted), 0 if it never started
 
   Released jobs go on the right of queued, to run next. A job that never
@@ -18,7 +19,7 @@
   costs it nothing; an interrupted one keeps the attempt it used.
 
   Returns: a list with 1 (released) or 0 (refused: stale attempt) per group.
-  Errors: ARGV not in groups of three (nothing is written).
+  Errors: ARGV not in groups of four (nothing is written).
 ]]
 local queued_key = KEYS[1]
 local processing_key = KEYS[2]
@@ -26,8 +27,9 @@ local leases_key = KEYS[3]
 local wake_key = KEYS[4]
 local job_prefix = KEYS[5]
 
-if #ARGV % 3 ~= 0 then
-  return redis.error_reply('ERR release: ARGV must come in groups of three (id, attempt, started)')
+if #ARGV % 4 ~= 0 then
+  return redis.error_reply(
+    'ERR release: ARGV must come in groups of four (id, attempt, gen, started)')
 end
 
 -- max_attempts read from a job hash, clamped to the mirror's integer range.
@@ -44,14 +46,14 @@ end
 
 local results = {}
 local released = 0
-for i = 1, #ARGV, 3 do
+for i = 1, #ARGV, 4 do
   local job_id = ARGV[i]
   local job_key = job_prefix .. job_id
-  local job = redis.call('HMGET', job_key, 'state', 'attempts')
-  if job[1] == 'running' and job[2] == ARGV[i + 1] then
+  local job = redis.call('HMGET', job_key, 'state', 'attempts', 'gen')
+  if job[1] == 'running' and job[2] == ARGV[i + 1] and (job[3] or '0') == ARGV[i + 2] then
     redis.call('LREM', processing_key, -1, job_id)
     redis.call('ZREM', leases_key, job_id)
-    if ARGV[i + 2] == '0' then
+    if ARGV[i + 3] == '0' then
       local max_attempts = count_of(redis.call('HGET', job_key, 'max_attempts'), 1)
       redis.call('HSET', job_key, 'state', 'queued',
         'max_attempts', math.min(max_attempts + 1, MAX_COUNT))

@@ -5,12 +5,12 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-import redis
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DatabaseError
 from django.tasks import DEFAULT_TASK_BACKEND_ALIAS
 
 from reliable_jobs import retention
+from reliable_jobs.broker import REDIS_ERRORS
 from reliable_jobs.management.commands.runworker import get_backend
 
 
@@ -48,7 +48,7 @@ class Command(BaseCommand):
         try:
             report = retention.prune(backend, older_than=timedelta(days=days),
                                      batch=options["batch_size"])
-        except (redis.RedisError, DatabaseError) as exc:
+        except (*REDIS_ERRORS, DatabaseError) as exc:
             raise CommandError(f"Pruning stopped ({exc}); batches already committed stay "
                                "deleted, and running it again goes on.") from exc
         if options["verbosity"] >= 1:

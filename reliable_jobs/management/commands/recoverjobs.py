@@ -7,11 +7,11 @@ import threading
 import time
 from typing import Any
 
-import redis
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DatabaseError, connections
 from django.tasks import DEFAULT_TASK_BACKEND_ALIAS
 
+from reliable_jobs.broker import REDIS_ERRORS
 from reliable_jobs.management.commands.runworker import configure_logging, get_backend
 from reliable_jobs.sweep import Sweep
 
@@ -49,7 +49,7 @@ class Command(BaseCommand):
             started = time.monotonic()
             try:
                 report = sweep.run_once()
-            except (redis.RedisError, DatabaseError) as exc:
+            except (*REDIS_ERRORS, DatabaseError) as exc:
                 # Looping, a pass that cannot reach a server is simply retried
                 # at the next one: every step is safe to repeat.
                 if interval is None:

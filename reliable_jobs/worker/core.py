@@ -1,0 +1,370 @@
+"""The worker process: its threads, the claim loop, start-up and shutdown.
+
+Threads, one role each:
+
+- the main thread claims batches (one claim script call for many jobs) and
+  waits with ``BLMOVE`` (one queue) or one ``BLPOP`` over wake markers
+  (several queues) when there is nothing to claim; it talks only to Redis;
+- the lease keeper (:mod:`.leases`) renews the lease of every job in hand
+  and beats; it talks only to Redis;
+- ``concurrency`` executor threads (:mod:`.executor`) run tasks;
+- the finisher (:mod:`.finisher`) writes outcomes to the database mirror in
+  batches and only then acks or nacks them in Redis;
+- the maintenance thread (:mod:`.maintenance`) sweeps and reconciles.
+
+A job is "in hand" (:mod:`.registry`) from its claim until its ack, nack or
+release, and its lease is renewed for all that time. Shutdown: the first
+SIGTERM/SIGINT stops claiming, releases unstarted jobs at once and lets
+running ones finish within the grace period; a second signal releases
+everything whose outcome is not on its way and exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from django.db import DatabaseError, InterfaceError
+from django.utils import timezone
+
+from .. import mirror
+from ..broker import REDIS_ERRORS, ClaimedJob
+from ..checks import mask_password
+from ..exceptions import AttemptsExhausted, class_path
+from ..faults import crash_point
+from ..handoff import JobBuffer
+from ..mirror import AttemptRecord
+from ..models import AttemptOutcome, JobState
+from ..sweep import Sweep
+from ..tasks import discover
+from .backoff import Backoff, Outage
+from .database import EXECUTOR_THREAD_PREFIX, guard_mirror_sessions
+from .executor import Executor
+from .finisher import Finisher, Outcome, WorkerStats
+from .leases import LeaseKeeper
+from .maintenance import Maintenance
+from .registry import InHand
+
+if TYPE_CHECKING:
+    from ..backend import ReliableJobsBackend
+
+logger = logging.getLogger("reliable_jobs.worker")
+
+#: Longest single block on Redis, in seconds: bounds how late the main
+#: thread notices a signal.
+MAX_WAIT_S = 1.0
+#: How long the finisher may take after the grace period, in seconds.
+FINISHER_GRACE_S = 10.0
+ATTEMPTS_EXHAUSTED = class_path(AttemptsExhausted)
+RELEASED_ERROR = ("reliable_jobs.worker: the worker stopped during this attempt and handed "
+                  "the job back")
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+class Worker:
+    """One worker process serving ``queues`` of one backend."""
+
+    def __init__(
+        self,
+        backend: ReliableJobsBackend,
+        *,
+        queues: list[str] | None = None,
+        concurrency: int = 1,
+        worker_id: str | None = None,
+        burst: bool = False,
+        max_jobs: int | None = None,
+        grace_s: float = 30.0,
+        prefetch: int | None = None,
+        progress: Callable[[str], None] | None = None,
+    ) -> None:
+        self.backend = backend
+        self.config = backend.config
+        self.queues = sorted(queues or backend.queues)
+        self.concurrency = max(1, concurrency)
+        self.worker_id = worker_id or default_worker_id()
+        self.burst = burst
+        self.max_jobs = max_jobs
+        self.grace_s = grace_s
+        self.prefetch = self.config.PREFETCH if prefetch is None else prefetch
+        self.progress = progress
+        self.broker = backend.broker
+        #: The shards of ``queues`` (just the queues when none is sharded),
+        #: refreshed by every sweep so a change of SHARDS is picked up.
+        self._physical = list(self.queues)
+        self._claim_offset = 0
+        self.stats = WorkerStats()
+        #: True when a worker thread died of an unexpected error (exit non-zero).
+        self.crashed = False
+        self._claimed_total = 0
+        self._signals = 0
+        self._started_at = time.time()
+
+        self._stopping = threading.Event()
+        self._hard_stop = threading.Event()
+        self._slot_freed = threading.Event()
+        self._redis_outage = Outage("Redis")
+        self._db_outage = Outage("The database")
+        self.in_hand = InHand()
+        self._buffer = JobBuffer()
+        self.finisher = Finisher(
+            broker=self.broker, database=self.config.DATABASE, in_hand=self.in_hand,
+            stats=self.stats, redis_outage=self._redis_outage, db_outage=self._db_outage,
+            hard_stop=self._hard_stop, slot_freed=self._slot_freed)
+        self.maintenance = Maintenance(
+            sweep=Sweep(backend, self.queues), database=self.config.DATABASE,
+            sweep_interval_ms=self.config.SWEEP_INTERVAL_MS,
+            reconcile_grace_ms=self.config.RECONCILE_GRACE_MS, finisher=self.finisher,
+            redis_outage=self._redis_outage, db_outage=self._db_outage,
+            stopping=self._stopping, on_queues=self._set_physical,
+            on_pass=self._report_progress if burst and progress else None)
+        self.executor = Executor(
+            backend=backend, worker_id=self.worker_id, buffer=self._buffer,
+            in_hand=self.in_hand, finisher=self.finisher, redis_outage=self._redis_outage,
+            stopping=self._stopping, hard_stop=self._hard_stop, slot_freed=self._slot_freed,
+            retry_gate=self.maintenance.retry_gate, release=self._release)
+        self.lease_keeper = LeaseKeeper(
+            broker=self.broker, in_hand=self.in_hand, lease_ms=self.config.LEASE_MS,
+            renew_interval_ms=self.config.renew_interval_ms, worker_id=self.worker_id,
+            beat_info=self._beat_info, redis_outage=self._redis_outage)
+
+    # -- lifecycle -------------------------------------------------------
+
+    def install_signal_handlers(self) -> None:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._signals += 1
+        if self._signals == 1:
+            logger.warning("Got %s: finishing running jobs (a second signal stops at once).",
+                           signal.Signals(signum).name)
+            self.stop()
+        else:
+            logger.warning("Got %s again: releasing every job now.", signal.Signals(signum).name)
+            self._hard_stop.set()
+            self.stop()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._slot_freed.set()
+
+    def run(self) -> WorkerStats:
+        """Serve until stopped (or, in burst mode, until nothing is left)."""
+        known = discover()
+        guard_mirror_sessions(self.config.DATABASE, self.config.LEASE_MS)
+        logger.info(
+            "Worker %s serving %s from %s with %d thread(s); %d task(s) registered.",
+            self.worker_id, ", ".join(self.queues), mask_password(self.broker.url),
+            self.concurrency, known,
+        )
+        executors = [self._thread(self.executor.run, f"{EXECUTOR_THREAD_PREFIX}-{i}")
+                     for i in range(self.concurrency)]
+        finisher = self._thread(self.finisher.run, "rj-finisher")
+        keeper = self._thread(self.lease_keeper.run, "rj-leases")
+        maintenance = self._thread(self.maintenance.run, "rj-maintenance")
+        try:
+            self._main_loop()
+        finally:
+            self._shutdown(executors, finisher)
+            self.lease_keeper.stop()
+            keeper.join(timeout=2.0)
+            maintenance.join(timeout=2.0)
+            with contextlib.suppress(*REDIS_ERRORS):
+                self.broker.forget_worker(self.worker_id)
+            logger.info("Worker %s stopped: %s.", self.worker_id, self._summary())
+        return self.stats
+
+    def _thread(self, loop: Callable[[], None], name: str) -> threading.Thread:
+        thread = threading.Thread(target=self._guarded, args=(loop,), name=name, daemon=True)
+        thread.start()
+        return thread
+
+    def _guarded(self, loop: Callable[[], None]) -> None:
+        """Run a thread's loop; if it dies of a bug, stop the whole worker.
+
+        A worker missing its finisher, lease keeper or an executor would keep
+        jobs nobody finishes, or let leases of running jobs expire. Better to
+        hand everything back and exit non-zero, so a supervisor restarts it.
+        """
+        try:
+            loop()
+        except BaseException:
+            self.crashed = True
+            logger.critical("Worker thread %s died; handing every job back and stopping.",
+                            threading.current_thread().name, exc_info=True)
+            self._hard_stop.set()
+            self.stop()
+
+    def _shutdown(self, executors: list[threading.Thread], finisher: threading.Thread) -> None:
+        """Release what never started, let the rest finish, release what is left.
+
+        The lease keeper renews throughout, so nothing expires while this runs.
+        """
+        self._stopping.set()
+        self._release([(job, False) for job in self._buffer.close()])
+        deadline = time.monotonic() + (0 if self._hard_stop.is_set() else self.grace_s)
+        for thread in executors:
+            while thread.is_alive() and time.monotonic() < deadline \
+                    and not self._hard_stop.is_set():
+                thread.join(timeout=0.1)
+        self.finisher.close()
+        finisher_deadline = deadline + (0 if self._hard_stop.is_set() else FINISHER_GRACE_S)
+        while finisher.is_alive() and time.monotonic() < finisher_deadline:
+            finisher.join(timeout=0.1)
+        # Jobs whose outcome is in the mirror are never released: if their ack
+        # did not land, their lease expires and recover settles them from it.
+        leftovers = self.in_hand.releasable()
+        if leftovers:
+            logger.warning("Releasing %d job(s) still in hand.", len(leftovers))
+            self._release(leftovers)
+
+    def _release(self, jobs: list[tuple[ClaimedJob, bool]]) -> None:
+        """Hand jobs back to queued now; record interrupted attempts as released."""
+        by_queue: dict[str, list[tuple[str, int, int, bool]]] = defaultdict(list)
+        for job, started in jobs:
+            by_queue[job.queue].append((job.id, job.attempt, job.gen, started))
+        released: list[AttemptRecord] = []
+        budgets = {job.id: job.max_attempts + 1 for job, _ in jobs}
+        refunds: dict[str, int] = {}
+        for queue, entries in by_queue.items():
+            try:
+                done = self.broker.release(queue, entries)
+            except REDIS_ERRORS as exc:
+                logger.warning("Could not release %d job(s) (%s); their leases will expire "
+                               "and the sweep will recover them.", len(entries), exc)
+                continue
+            for (job_id, attempt, gen, started), ok in zip(entries, done, strict=True):
+                if ok and started:
+                    released.append(AttemptRecord(
+                        job_id=job_id, attempt=attempt, gen=gen, job_state=JobState.QUEUED,
+                        finished_at=timezone.now(), outcome=AttemptOutcome.RELEASED,
+                        error=RELEASED_ERROR))
+                elif ok:
+                    refunds[job_id] = budgets[job_id]
+        try:
+            if released:
+                mirror.record(self.config.DATABASE, released)
+            if refunds:
+                mirror.raise_budgets(self.config.DATABASE, refunds)
+        except (DatabaseError, InterfaceError) as exc:
+            logger.warning("Could not mirror %d released job(s) (%s).", len(jobs), exc)
+        self.in_hand.drop(job for job, _ in jobs)
+
+    # -- the main thread: claim and wait -----------------------------------
+
+    def _main_loop(self) -> None:
+        backoff = Backoff()
+        while not self._stopping.is_set():
+            try:
+                if self._limit_reached():
+                    break
+                capacity = self._capacity()
+                if capacity <= 0:
+                    self._slot_freed.wait(MAX_WAIT_S)
+                    self._slot_freed.clear()
+                    continue
+                if self._claim_round(capacity):
+                    continue
+                if self.burst:
+                    if self._burst_done():
+                        break
+                    self._slot_freed.wait(0.05)
+                    self._slot_freed.clear()
+                    continue
+                woken = self.broker.wait(self._physical, MAX_WAIT_S)
+                if woken is not None:
+                    queue, moved_id = woken
+                    crash_point("after_blmove")
+                    self._claim(queue, self._capacity(), moved_id)
+                backoff.reset()
+                if self._redis_outage.ok():
+                    # Redis may have come back empty: reconcile as soon as the
+                    # grace period allows, not at the next routine pass.
+                    self.maintenance.reconcile_soon()
+            except REDIS_ERRORS as exc:
+                self._redis_outage.failed(exc, "claiming")
+                backoff.wait(self._stopping)
+
+    def _set_physical(self, physical: list[str]) -> None:
+        self._physical = physical
+
+    def _limit_reached(self) -> bool:
+        return (self.max_jobs is not None and self._claimed_total >= self.max_jobs
+                and not len(self.in_hand))
+
+    def _capacity(self) -> int:
+        room = self.concurrency + self.prefetch - len(self.in_hand)
+        if self.max_jobs is not None:
+            room = min(room, self.max_jobs - self._claimed_total)
+        return room
+
+    def _claim_round(self, capacity: int) -> int:
+        """Claim without blocking from every queue in turn; return how many.
+
+        Each round starts one queue further on, so no queue (or shard) is
+        always served first.
+        """
+        claimed = 0
+        queues = self._physical
+        self._claim_offset = (self._claim_offset + 1) % len(queues)
+        for queue in queues[self._claim_offset:] + queues[:self._claim_offset]:
+            if capacity - claimed <= 0:
+                break
+            claimed += self._claim(queue, capacity - claimed, None)
+        return claimed
+
+    def _claim(self, queue: str, count: int, moved_id: str | None) -> int:
+        result = self.broker.claim(queue, count=max(count, 0), lease_ms=self.config.LEASE_MS,
+                                   moved_id=moved_id)
+        crash_point("after_claim")
+        self.in_hand.add(result.jobs)
+        self._claimed_total += len(result.jobs)
+        self._buffer.put(result.jobs)
+        for job_id, attempts, gen in result.dead:
+            self.finisher.record(mirror.expired_record(
+                job_id, attempts, dead=True, gen=gen,
+                error=f"{ATTEMPTS_EXHAUSTED}: claimed {attempts} time(s) "
+                      "without finishing (worker lost or lease expired)"))
+        for garbage in result.garbage:
+            logger.warning("Moved aside %r found on queue %r: no such job.", garbage, queue)
+        return len(result.jobs)
+
+    def _burst_done(self) -> bool:
+        if len(self.in_hand):
+            return False
+        counts = [self.broker.counts(queue) for queue in self._physical]
+        return not any(c.queued or c.running or c.scheduled for c in counts)
+
+    # -- reporting -----------------------------------------------------------
+
+    def _beat_info(self) -> dict[str, Any]:
+        return {"id": self.worker_id, "host": socket.gethostname(), "pid": os.getpid(),
+                "queues": self.queues, "concurrency": self.concurrency,
+                "jobs": self.in_hand.sample(50), "in_hand": len(self.in_hand),
+                "started": self._started_at, "claimed": self._claimed_total,
+                "finished": self.stats.succeeded + self.stats.failed + self.stats.dead}
+
+    def _report_progress(self) -> None:
+        if self.progress is not None:
+            self.progress(self._summary())
+
+    def _summary(self) -> str:
+        s = self.stats
+        return (f"{self._claimed_total} claimed, {s.succeeded} succeeded, {s.failed} failed "
+                f"(retrying), {s.dead} dead, {s.refused} refused as stale, "
+                f"{len(self.in_hand)} in hand")
+
+
+__all__ = ["Outcome", "Worker", "WorkerStats", "default_worker_id"]

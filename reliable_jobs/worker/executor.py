@@ -1,0 +1,241 @@
+"""Executor threads: mark jobs started, run their tasks, hand outcomes on.
+
+A job runs only once Redis recorded that it starts (start.lua) and only if
+its lease is still ours; what it did goes to the finisher. Task code runs
+here (or, with a time limit, in a child process started from here).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from django.db import close_old_connections
+from django.tasks import TaskContext, TaskResult, TaskResultStatus
+from django.tasks.signals import task_finished, task_started
+from django.utils import timezone
+from django.utils.json import normalize_json
+
+from .. import payload, retry
+from ..broker import REDIS_ERRORS, ClaimedJob
+from ..exceptions import JobTimeout, UnknownTask, class_path
+from ..faults import crash_point
+from ..handoff import JobBuffer, StartMarks
+from ..isolation import ChildFailed, run_in_child
+from ..keys import logical_queue
+from ..mirror import AttemptRecord
+from ..models import AttemptOutcome, JobState
+from ..tasks import lookup
+from .backoff import Backoff, Outage
+from .finisher import Finisher, Outcome
+from .registry import InHand, printable
+
+if TYPE_CHECKING:
+    from ..backend import ReliableJobsBackend
+
+logger = logging.getLogger("reliable_jobs.worker")
+
+#: First attempts an executor thread marks started in one round trip, then
+#: runs in turn: the most a crash in one of them can charge the others.
+MARK_AHEAD = 16
+
+
+class Executor:
+    """What every executor thread runs; the threads share one instance."""
+
+    def __init__(self, *, backend: ReliableJobsBackend, worker_id: str, buffer: JobBuffer,
+                 in_hand: InHand, finisher: Finisher, redis_outage: Outage,
+                 stopping: threading.Event, hard_stop: threading.Event,
+                 slot_freed: threading.Event, retry_gate: threading.Lock,
+                 release: Callable[[list[tuple[ClaimedJob, bool]]], None]) -> None:
+        self.backend = backend
+        self.config = backend.config
+        self.worker_id = worker_id
+        self.buffer = buffer
+        self.in_hand = in_hand
+        self.finisher = finisher
+        self.redis_outage = redis_outage
+        self.stopping = stopping
+        self.hard_stop = hard_stop
+        self.slot_freed = slot_freed
+        self.release = release
+        self.retry_gate = retry_gate
+        self.start_marks = StartMarks(backend.broker)
+
+    def run(self) -> None:
+        """Run jobs from the buffer, marking them started in small groups first.
+
+        A first attempt is marked together with up to MARK_AHEAD - 1 more
+        waiting first attempts (one round trip for the group), which go back
+        to the front of the buffer for any thread to run; a crash charges at
+        most those. A later attempt, possibly a job that crashed its worker
+        before, is marked alone and only once the outcomes of everything this
+        worker finished are durable.
+        """
+        close_old_connections()
+        while (item := self.buffer.get()) is not None:
+            job, marked = item
+            if self.stopping.is_set():
+                self.release([(job, False)])
+                continue
+            if not marked:
+                if job.attempt > 1:
+                    with self.retry_gate:
+                        pass  # a sweep that may have requeued this job has handed over
+                    self.finisher.wait_until_flushed()
+                    group = [job]
+                else:
+                    group = [job, *self.buffer.take_first_attempts(MARK_AHEAD - 1)]
+                held = self._mark_started(group)
+                if not held:
+                    continue
+                job = held[0]
+                self.buffer.put_marked(held[1:])
+            if not self.in_hand.start(job):
+                # Its lease was lost after the start mark: another worker may
+                # hold it now, and running it would run it twice at once.
+                logger.warning("Job %s attempt %d lost its lease before it ran; not running "
+                               "it.", printable(job.id), job.attempt)
+                self.slot_freed.set()
+                continue
+            try:
+                self._execute(job)
+            finally:
+                # Like Django's request cycle: a task's database connection is
+                # closed (or kept, per CONN_MAX_AGE) when it ends, so the next
+                # job never starts on a broken or stale one.
+                close_old_connections()
+
+    def _mark_started(self, jobs: list[ClaimedJob]) -> list[ClaimedJob]:
+        """Record in Redis that ``jobs`` start now; return those still ours.
+
+        Must succeed before any of them runs (see start.lua): while Redis is
+        unreachable they wait here, their leases renewed by the lease keeper.
+        """
+        backoff = Backoff()
+        while True:
+            try:
+                marked = self.start_marks.mark(jobs)
+                break
+            except REDIS_ERRORS as exc:
+                self.redis_outage.failed(exc, "marking jobs started")
+                if backoff.wait(self.hard_stop):
+                    self.release([(job, False) for job in jobs])
+                    return []
+        lost = [job for job, ok in zip(jobs, marked, strict=True) if not ok]
+        if lost:
+            self.in_hand.drop(lost)
+            self.slot_freed.set()
+            for job in lost:
+                logger.warning("Job %s attempt %d is no longer held (lease lost before it "
+                               "started); not running it.", printable(job.id), job.attempt)
+        return [job for job, ok in zip(jobs, marked, strict=True) if ok]
+
+    def _execute(self, job: ClaimedJob) -> None:
+        started_at = timezone.now()
+        started_clock = time.perf_counter()
+        self.finisher.record(AttemptRecord(
+            job_id=job.id, attempt=job.attempt, gen=job.gen, job_state=JobState.RUNNING,
+            worker_id=self.worker_id, started_at=started_at))
+        task_path = "?"
+        result: TaskResult | None = None
+        try:
+            decoded = payload.decode(job.payload, max_bytes=self.config.MAX_PAYLOAD_BYTES)
+            task_path = decoded.task_path
+            task = lookup(decoded.task_path)
+            if task is None or task.backend != self.backend.alias:
+                raise UnknownTask(
+                    f"{decoded.task_path!r} is not a registered task of backend "
+                    f"{self.backend.alias!r}; it was not imported."
+                )
+            result = self._task_result(task, job, decoded, started_at)
+            task_started.send(type(self.backend), task_result=result)
+            crash_point("in_task")
+            timeout_ms = self.backend.task_option(task, "timeout_ms")
+            if timeout_ms:
+                value = run_in_child(
+                    payload_text=job.payload, job_id=job.id, attempt=job.attempt,
+                    worker_id=self.worker_id, backend=self.backend.alias,
+                    queue=logical_queue(job.queue),
+                    timeout_s=timeout_ms / 1000,
+                )
+            elif task.takes_context:
+                value = task.call(TaskContext(task_result=result), *decoded.args, **decoded.kwargs)
+            else:
+                value = task.call(*decoded.args, **decoded.kwargs)
+            value = normalize_json(value)
+        except Exception as exc:
+            self._fail(job, exc, task_path, result, started_at, started_clock)
+        else:
+            finished_at = timezone.now()
+            object.__setattr__(result, "status", TaskResultStatus.SUCCESSFUL)
+            object.__setattr__(result, "finished_at", finished_at)
+            object.__setattr__(result, "_return_value", value)
+            task_finished.send(type(self.backend), task_result=result)
+            done = AttemptRecord(job_id=job.id, attempt=job.attempt, gen=job.gen,
+                                 job_state=JobState.SUCCEEDED, worker_id=self.worker_id,
+                                 started_at=started_at, finished_at=finished_at,
+                                 outcome=AttemptOutcome.SUCCEEDED, return_value=value)
+            self.finisher.submit(Outcome(done, job=job, delay_ms=None))
+            logger.info("Job %s %s attempt %d/%d succeeded in %.1f ms.", printable(job.id),
+                        task_path, job.attempt, job.max_attempts,
+                        (time.perf_counter() - started_clock) * 1000)
+
+    def _task_result(self, task: Any, job: ClaimedJob, decoded: payload.Payload,
+                     started_at: datetime) -> TaskResult:
+        queue = logical_queue(job.queue)  # the shard's queue, as enqueued
+        if task.queue_name != queue:
+            task = task.using(queue_name=queue)
+        return TaskResult(
+            task=task, id=job.id, status=TaskResultStatus.RUNNING, enqueued_at=None,
+            started_at=started_at, finished_at=None, last_attempted_at=started_at,
+            args=decoded.args, kwargs=decoded.kwargs, backend=self.backend.alias,
+            errors=[], worker_ids=[self.worker_id] * job.attempt,
+        )
+
+    def _fail(self, job: ClaimedJob, exc: BaseException, task_path: str,
+              result: TaskResult | None, started_at: datetime, started_clock: float) -> None:
+        """Record a failed attempt; called inside the ``except`` block (signals read exc_info)."""
+        task = lookup(task_path)
+        delay_ms = retry.next_delay_ms(
+            exc, attempt=job.attempt, max_attempts=job.max_attempts,
+            base_ms=self.backend.task_option(task, "retry_base_ms") if task
+            else self.config.RETRY_BASE_MS,
+            max_ms=self.backend.task_option(task, "retry_max_ms") if task
+            else self.config.RETRY_MAX_MS,
+        )
+        if isinstance(exc, ChildFailed):
+            error, trace = f"{exc.class_path}: {exc}", exc.child_traceback
+        else:
+            error = f"{class_path(type(exc))}: {exc}"
+            trace = "".join(traceback.format_exception(exc))
+        # Task code may put NUL or lone surrogates in a message: PostgreSQL and
+        # Redis (UTF-8) refuse them, and the outcome could never be written.
+        error, trace = payload.storable_text(error), payload.storable_text(trace)
+        state = (JobState.DEAD if delay_ms == retry.DEAD
+                 else JobState.QUEUED if delay_ms == 0 else JobState.SCHEDULED)
+        finished_at = timezone.now()
+        record = AttemptRecord(
+            job_id=job.id, attempt=job.attempt, gen=job.gen, job_state=state,
+            worker_id=self.worker_id, started_at=started_at, finished_at=finished_at,
+            outcome=AttemptOutcome.TIMED_OUT if isinstance(exc, JobTimeout)
+            else AttemptOutcome.FAILED,
+            error=error, traceback=trace,
+            retry_at=finished_at + timedelta(milliseconds=delay_ms)
+            if state == JobState.SCHEDULED else None,
+        )
+        if result is not None:
+            object.__setattr__(result, "status", TaskResultStatus.FAILED)
+            object.__setattr__(result, "finished_at", record.finished_at)
+            task_finished.send(type(self.backend), task_result=result)
+        self.finisher.submit(Outcome(record, job=job, delay_ms=delay_ms))
+        level = logging.WARNING if state == JobState.DEAD else logging.INFO
+        logger.log(level, "Job %s %s attempt %d/%d failed in %.1f ms: %s; %s.",
+                   printable(job.id), task_path, job.attempt, job.max_attempts,
+                   (time.perf_counter() - started_clock) * 1000, error,
+                   "dead" if state == JobState.DEAD else f"retry in {delay_ms} ms")

@@ -1,0 +1,221 @@
+"""The finisher: write outcomes to the database mirror, then ack or nack them.
+
+Redis never forgets a job whose outcome the database could still lose: each
+batch is committed to the mirror first (retried until it lands), and only
+then acked or nacked in Redis. A job whose outcome reached the mirror is
+never handed back to the queue: if its ack does not land, recover settles
+it from the mirror (see scripts/recover.lua).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue as queue_module
+import threading
+from collections import defaultdict
+from dataclasses import dataclass
+
+from django.db import DatabaseError, connections
+
+from .. import mirror, retry
+from ..broker import REDIS_ERRORS, Broker, ClaimedJob
+from ..faults import crash_point, raise_point
+from ..mirror import AttemptRecord
+from .backoff import Backoff, Outage
+from .database import is_transient
+from .registry import InHand, printable
+
+logger = logging.getLogger("reliable_jobs.worker")
+
+#: Outcomes written to the mirror per transaction at most.
+FINISH_BATCH = 500
+
+
+@dataclass(slots=True)
+class Outcome:
+    """A finished attempt on its way to the mirror and then to Redis.
+
+    ``delay_ms`` is None for a success (ack), else the nack decision
+    (:data:`retry.DEAD` to bury). A record with no Redis action (a start, a
+    sweep result) has ``job`` None.
+    """
+
+    record: AttemptRecord
+    job: ClaimedJob | None = None
+    delay_ms: int | None = None
+
+
+@dataclass
+class WorkerStats:
+    succeeded: int = 0
+    failed: int = 0
+    dead: int = 0
+    refused: int = 0
+
+
+class Finisher:
+    """A thread that mirrors outcomes in batches and then applies them in Redis."""
+
+    def __init__(self, *, broker: Broker, database: str, in_hand: InHand, stats: WorkerStats,
+                 redis_outage: Outage, db_outage: Outage, hard_stop: threading.Event,
+                 slot_freed: threading.Event) -> None:
+        self.broker = broker
+        self.database = database
+        self.in_hand = in_hand
+        self.stats = stats
+        self.redis_outage = redis_outage
+        self.db_outage = db_outage
+        self.hard_stop = hard_stop
+        self.slot_freed = slot_freed
+        self._queue: queue_module.SimpleQueue[Outcome | None] = queue_module.SimpleQueue()
+        #: Outcomes handed over, outcomes applied, and a condition on the two.
+        self._submitted = 0
+        self._applied = 0
+        self._flushed = threading.Condition()
+
+    # -- other threads -----------------------------------------------------
+
+    def record(self, record: AttemptRecord) -> None:
+        """Mirror a record that needs no Redis action (a start, a sweep result)."""
+        self.submit(Outcome(record))
+
+    def submit(self, outcome: Outcome) -> None:
+        """Hand over a finished attempt (or a record, ``job`` None)."""
+        with self._flushed:
+            self._submitted += 1
+        self._queue.put(outcome)
+
+    def close(self) -> None:
+        """Finish what was submitted, then end the thread."""
+        self._queue.put(None)
+
+    def wait_until_flushed(self) -> None:
+        """Block until every record and outcome submitted so far is mirrored and applied.
+
+        A job on its second attempt or later may be one that crashed its
+        worker. Before it runs again, what this worker already knows (the
+        jobs it finished, what its sweep recovered) is made durable, so a
+        poison job can neither make them run again nor erase their history.
+        """
+        with self._flushed:
+            target = self._submitted
+            while self._applied < target and not self.hard_stop.is_set():
+                self._flushed.wait(timeout=0.5)
+
+    # -- the thread ----------------------------------------------------------
+
+    def run(self) -> None:
+        closing = False
+        while not closing:
+            first = self._queue.get()
+            batch: list[Outcome] = []
+            if first is None:
+                closing = True
+            else:
+                batch.append(first)
+            while len(batch) < FINISH_BATCH:
+                try:
+                    item = self._queue.get_nowait()
+                except queue_module.Empty:
+                    break
+                if item is None:
+                    closing = True
+                    break
+                batch.append(item)
+            raise_point("finisher_bug")
+            if batch and not self._write_mirror(batch):
+                return
+            self.in_hand.mirrored(o.job for o in batch if o.job is not None)
+            if batch and not self._apply_in_redis([o for o in batch if o.job is not None]):
+                return
+            with self._flushed:
+                self._applied += len(batch)
+                self._flushed.notify_all()
+
+    def _write_mirror(self, batch: list[Outcome]) -> bool:
+        """Write the batch, retrying until it lands (False only on a hard stop)."""
+        backoff = Backoff()
+        while True:
+            try:
+                mirror.record(self.database, [o.record for o in batch])
+                self.db_outage.ok()
+                return True
+            except DatabaseError as exc:
+                # A lost or refused connection, a lock or statement timeout, a
+                # deadlock, a session the server ended: worth retrying. Any other
+                # database error is a bug no retry fixes, and it propagates: the
+                # worker stops and hands its jobs back.
+                if not is_transient(exc):
+                    raise
+                self.db_outage.failed(exc, f"writing {len(batch)} outcome(s) to the mirror")
+                connections[self.database].close()
+            if backoff.wait(self.hard_stop):
+                return False
+
+    def _apply_in_redis(self, finished: list[Outcome]) -> bool:
+        """Ack or nack each finished attempt; False on a hard stop before Redis answered."""
+        if not finished:
+            return True
+        crash_point("before_ack")
+        by_queue: dict[str, list[Outcome]] = defaultdict(list)
+        for outcome in finished:
+            assert outcome.job is not None
+            by_queue[outcome.job.queue].append(outcome)
+        for queue, outcomes in by_queue.items():
+            acks = [o for o in outcomes if o.delay_ms is None]
+            nacks = [o for o in outcomes if o.delay_ms is not None]
+            if not self._apply_queue(queue, acks, nacks):
+                return False
+        crash_point("after_ack")
+        self.in_hand.drop(o.job for o in finished if o.job is not None)
+        self.slot_freed.set()
+        return True
+
+    def _apply_queue(self, queue: str, acks: list[Outcome], nacks: list[Outcome]) -> bool:
+        """Ack and nack one queue's outcomes; False on a hard stop before Redis answered.
+
+        Retried whole after an error: both scripts are fenced, so an outcome
+        the first try applied before the connection dropped is refused by
+        the second. After a retry a refusal is therefore no sign of a lost
+        lease, and is not counted as one.
+        """
+        backoff = Backoff()
+        retried = False
+        while True:
+            try:
+                acked = self.broker.ack(queue, [_fence(o) for o in acks])
+                nacked = self.broker.nack(queue, [
+                    (*_fence(o), _delay(o), o.record.error[:4000]) for o in nacks])
+                break
+            except REDIS_ERRORS as exc:
+                self.redis_outage.failed(exc, f"acking {len(acks) + len(nacks)} job(s)")
+                retried = True
+                if backoff.wait(self.hard_stop):
+                    return False
+        self.redis_outage.ok()
+        self._count(acks + nacks, acked + nacked, retried=retried)
+        return True
+
+    def _count(self, outcomes: list[Outcome], applied: list[bool], *, retried: bool) -> None:
+        for outcome, ok in zip(outcomes, applied, strict=True):
+            if not ok and not retried:
+                self.stats.refused += 1
+                logger.warning("Redis refused the outcome of job %s attempt %d: that attempt "
+                               "is no longer held (lease expired).",
+                               printable(outcome.record.job_id), outcome.record.attempt)
+            elif outcome.delay_ms is None:
+                self.stats.succeeded += 1
+            elif outcome.delay_ms == retry.DEAD:
+                self.stats.dead += 1
+            else:
+                self.stats.failed += 1
+
+
+def _fence(outcome: Outcome) -> tuple[str, int, int]:
+    assert outcome.job is not None
+    return outcome.job.fence
+
+
+def _delay(outcome: Outcome) -> int:
+    assert outcome.delay_ms is not None
+    return outcome.delay_ms

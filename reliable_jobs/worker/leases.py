@@ -1,0 +1,84 @@
+"""The lease keeper: renews the leases of every job in hand, and beats.
+
+It talks only to Redis. Nothing it does waits on the database, a task or
+another thread's lock held across I/O, so a database that hangs, a finisher
+stuck in a transaction or a busy executor never lets a lease expire while
+this process is alive: leases then mean what they promise, that their
+holder is alive.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..broker import REDIS_ERRORS, Broker
+from .backoff import Outage
+from .registry import InHand, printable
+
+logger = logging.getLogger("reliable_jobs.worker")
+
+#: After a failed renewal, try again this soon, in seconds.
+RETRY_RENEW_S = 0.2
+
+
+class LeaseKeeper:
+    """A thread that renews leases every ``renew_interval_ms`` and beats every few seconds."""
+
+    def __init__(self, *, broker: Broker, in_hand: InHand, lease_ms: int, renew_interval_ms: int,
+                 worker_id: str, beat_info: Callable[[], dict[str, Any]],
+                 redis_outage: Outage) -> None:
+        self.broker = broker
+        self.in_hand = in_hand
+        self.lease_ms = lease_ms
+        self.renew_interval_s = renew_interval_ms / 1000
+        self.beat_interval_s = min(5.0, lease_ms / 3000)
+        self.worker_id = worker_id
+        self.beat_info = beat_info
+        self.redis_outage = redis_outage
+        self._stop = threading.Event()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self) -> None:
+        next_renew = next_beat = 0.0
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if now >= next_renew:
+                renewed = self.renew()
+                next_renew = now + (self.renew_interval_s if renewed else RETRY_RENEW_S)
+            if now >= next_beat:
+                next_beat = now + self.beat_interval_s
+                self.beat()
+            self._stop.wait(max(0.01, min(next_renew, next_beat) - time.monotonic()))
+
+    def renew(self) -> bool:
+        """Extend every lease still ours; False if Redis could not be reached."""
+        ok = True
+        for queue, jobs in self.in_hand.renewable().items():
+            try:
+                kept = self.broker.extend(queue, [job.fence for job in jobs],
+                                          lease_ms=self.lease_ms)
+            except REDIS_ERRORS as exc:
+                self.redis_outage.failed(exc, "renewing leases")
+                ok = False
+                continue
+            lost = [job for job, renewed in zip(jobs, kept, strict=True) if not renewed]
+            self.in_hand.lose(lost)
+            for job in lost:
+                logger.warning("Lost the lease of job %s attempt %d: another worker may run "
+                               "it; this attempt's outcome will be refused.",
+                               printable(job.id), job.attempt)
+        return ok
+
+    def beat(self) -> None:
+        try:
+            self.broker.heartbeat(self.worker_id, self.beat_info(),
+                                  ttl_ms=max(15_000, self.lease_ms))
+        except REDIS_ERRORS as exc:
+            logger.debug("Heartbeat failed: %s", exc)
+

@@ -1,0 +1,108 @@
+"""The jobs a worker holds, from their claim to their ack, nack or release."""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ..broker import ClaimedJob
+
+#: A job in hand is known by its queue and its fencing token: the same job
+#: claimed again by this worker (its stale attempt still buffered or
+#: running) is another entry, renewed and finished on its own.
+HeldKey = tuple[str, str, int, int]
+
+
+def held_key(job: ClaimedJob) -> HeldKey:
+    return (job.queue, job.id, job.attempt, job.gen)
+
+
+def printable(job_id: str) -> str:
+    """A job id read from Redis, fit for a log line: anyone who can write to
+    Redis chooses it, and a newline in it would forge a line of its own."""
+    return job_id if job_id.isprintable() and len(job_id) <= 100 else repr(job_id[:100])
+
+
+@dataclass(slots=True)
+class Held:
+    """A job in hand: claimed, maybe running, not yet acked."""
+
+    job: ClaimedJob
+    started: bool = False
+    #: Redis refused a renewal: another worker may hold the job now.
+    lost: bool = False
+    #: Its outcome is in the mirror: never released after this (recover
+    #: settles it from the mirror if its ack does not land).
+    mirrored: bool = False
+
+
+class InHand:
+    """Every job this worker holds, keyed by token; thread-safe.
+
+    The lease keeper renews what is here, the main thread claims into it,
+    executors start and finish entries, the finisher drops them once Redis
+    took the outcome.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[HeldKey, Held] = {}
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def add(self, jobs: Iterable[ClaimedJob]) -> None:
+        with self._lock:
+            for job in jobs:
+                self._held[held_key(job)] = Held(job)
+
+    def drop(self, jobs: Iterable[ClaimedJob]) -> None:
+        with self._lock:
+            for job in jobs:
+                self._held.pop(held_key(job), None)
+
+    def start(self, job: ClaimedJob) -> bool:
+        """Mark ``job`` running; False (and dropped) when its lease was lost meanwhile."""
+        with self._lock:
+            held = self._held.get(held_key(job))
+            if held is None or held.lost:
+                self._held.pop(held_key(job), None)
+                return False
+            held.started = True
+            return True
+
+    def mirrored(self, jobs: Iterable[ClaimedJob]) -> None:
+        with self._lock:
+            for job in jobs:
+                held = self._held.get(held_key(job))
+                if held is not None:
+                    held.mirrored = True
+
+    def lose(self, jobs: Iterable[ClaimedJob]) -> None:
+        with self._lock:
+            for job in jobs:
+                held = self._held.get(held_key(job))
+                if held is not None:
+                    held.lost = True
+
+    def renewable(self) -> dict[str, list[ClaimedJob]]:
+        """Jobs whose lease is still ours, by queue."""
+        by_queue: dict[str, list[ClaimedJob]] = defaultdict(list)
+        with self._lock:
+            for held in self._held.values():
+                if not held.lost:
+                    by_queue[held.job.queue].append(held.job)
+        return by_queue
+
+    def releasable(self) -> list[tuple[ClaimedJob, bool]]:
+        """(job, started) of every job whose outcome is not in the mirror: safe to release."""
+        with self._lock:
+            return [(held.job, held.started) for held in self._held.values()
+                    if not held.mirrored]
+
+    def sample(self, limit: int) -> list[str]:
+        """Up to ``limit`` "queue:id" labels, for the heartbeat."""
+        with self._lock:
+            return [f"{key[0]}:{key[1]}" for key in list(self._held)[:limit]]

@@ -1,0 +1,391 @@
+"""G1-G5 in the interleavings the crash tests never tried.
+
+Each test stages one race with real Redis and PostgreSQL (and real worker
+processes where the race needs them) and checks the sentence of the README
+it used to break: a job that runs twice without a crash, runs concurrently
+under one fencing token, ends with the wrong outcome, or runs after it was
+cancelled.
+"""
+
+from __future__ import annotations
+
+import itertools
+import signal
+import threading
+import time
+import uuid
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import redis
+from django.db import close_old_connections, connection, transaction
+from django.tasks import task_backends
+from django.utils import timezone
+
+from reliable_jobs import mirror
+from reliable_jobs.broker import Broker, ClaimedJob
+from reliable_jobs.keys import QueueKeys
+from reliable_jobs.mirror import AttemptRecord
+from reliable_jobs.models import Attempt, AttemptOutcome, Job, JobState
+from reliable_jobs.sweep import Sweep
+from reliable_jobs.worker.backoff import Outage
+from reliable_jobs.worker.leases import LeaseKeeper
+from reliable_jobs.worker.registry import InHand
+from testproject.demo import tasks as demo
+
+from .conftest import Processes, wait_until
+
+pytestmark = pytest.mark.django_db(transaction=True)
+KEYS = QueueKeys("rj", "default")
+CRASHED = 86  # faults.crash_point's exit code
+
+
+def backdate(*job_ids: str) -> None:
+    """Make rows old enough for reconcile (their grace period long past)."""
+    Job.objects.filter(pk__in=job_ids).update(updated_at=timezone.now() - timedelta(hours=1))
+
+
+def success(job: ClaimedJob, worker: str = "w") -> AttemptRecord:
+    now = timezone.now()
+    return AttemptRecord(job_id=job.id, attempt=job.attempt, gen=job.gen,
+                         job_state=JobState.SUCCEEDED, worker_id=worker, started_at=now,
+                         finished_at=now, outcome=AttemptOutcome.SUCCEEDED, return_value=1)
+
+
+def lease_of(client: redis.Redis, job_id: str) -> float | None:
+    return client.zscore(KEYS.leases, job_id)
+
+
+# -- 1. an outcome in the mirror is final --------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.crash
+@pytest.mark.parametrize("max_attempts", [1, 3])
+def test_a_success_mirrored_before_a_crash_is_settled_not_rerun_or_buried(
+    max_attempts: int, rj_settings: Any, processes: Processes, redis_client: redis.Redis
+) -> None:
+    # Given: a worker that dies after writing its outcomes to the mirror and
+    # before its ack reaches Redis, with max_attempts jobs of budget each
+    env = rj_settings(MAX_ATTEMPTS=max_attempts)
+    results = [demo.add.enqueue(i, 100) for i in range(5)]
+    victim = processes.worker(env, extra_env={"RJ_CRASH_AT": "before_ack"})
+    assert victim.wait(timeout=30) == CRASHED, processes.log(victim)
+
+    mirrored = set(Attempt.objects.filter(outcome=AttemptOutcome.SUCCEEDED)
+                   .values_list("job_id", flat=True))
+    assert mirrored, "the victim mirrored at least one success before it died"
+
+    # When: another worker's sweep finds their leases expired
+    survivor = processes.worker(env)
+    wait_until(lambda: redis_client.zcard(KEYS.leases) == 0
+               and redis_client.llen(KEYS.processing) == 0
+               and redis_client.llen(KEYS.queued) == 0, timeout=30,
+               message="the expired attempts to be settled")
+
+    # Then: every job whose success reached the mirror succeeded exactly once,
+    # as the mirror said: it was neither buried (its last attempt) nor run
+    # again (an earlier one); the others ran again or were buried, as G2/G3 say
+    for i, result in enumerate(results):
+        job = Job.objects.get(pk=result.id)
+        if job.pk in mirrored:
+            assert (job.state, job.return_value, job.attempts) == (
+                JobState.SUCCEEDED, i + 100, 1)
+            assert list(Attempt.objects.filter(job=job).values_list("outcome", flat=True)
+                        ) == [AttemptOutcome.SUCCEEDED]
+            assert demo.add.get_result(result.id).status == "SUCCESSFUL"
+        else:
+            assert job.state in (JobState.SUCCEEDED, JobState.DEAD)
+    assert not redis_client.zrange(KEYS.dead, 0, -1) or not mirrored & {
+        uuid.UUID(job_id) for job_id in redis_client.zrange(KEYS.dead, 0, -1)}
+    assert processes.stop(survivor) == 0
+
+
+def test_a_lease_expired_record_never_overwrites_the_outcome_of_its_attempt(
+    rj_settings: Any, redis_client: redis.Redis
+) -> None:
+    # Given: attempt 1 of a job mirrored as succeeded
+    rj_settings()
+    backend = task_backends["default"]
+    result = demo.add.enqueue(1, 2)
+    job = backend.broker.claim("default", count=1, lease_ms=60_000).jobs[0]
+    mirror.record("default", [success(job)])
+
+    # When: a sweep's record says attempt 1's lease expired (dead, or queued again)
+    for dead in (True, False):
+        mirror.record("default", [mirror.expired_record(job.id, 1, dead=dead, gen=0,
+                                                        error="LeaseExpired: late")])
+
+    # Then: the row and the attempt still say succeeded
+    row = Job.objects.get(pk=result.id)
+    assert (row.state, row.return_value) == (JobState.SUCCEEDED, 1)
+    assert Attempt.objects.get(job=row, number=1).outcome == AttemptOutcome.SUCCEEDED
+
+
+# -- 2. tokens survive rebuilds ------------------------------------------------
+
+
+@pytest.mark.parametrize("start_mirrored", [False, True])
+def test_a_holder_from_before_redis_lost_the_job_is_refused_after_the_rebuild(
+    start_mirrored: bool, rj_settings: Any, redis_client: redis.Redis
+) -> None:
+    # Given: worker A holds a job (its start maybe mirrored, maybe not yet)
+    rj_settings()
+    backend = task_backends["default"]
+    broker: Broker = backend.broker
+    result = demo.add.enqueue(1, 2)
+    stale = broker.claim("default", count=1, lease_ms=60_000).jobs[0]
+    if start_mirrored:
+        mirror.record("default", [AttemptRecord(job_id=stale.id, attempt=1, gen=0,
+                                                job_state=JobState.RUNNING, worker_id="A",
+                                                started_at=timezone.now())])
+
+    # When: Redis loses everything, reconcile rebuilds the job from its row,
+    # and worker B claims it
+    redis_client.flushdb()
+    backdate(result.id)
+    assert Sweep(backend).reconcile().pushed == 1
+    fresh = broker.claim("default", count=1, lease_ms=60_000).jobs[0]
+
+    # Then: B's token is new (the attempt number never repeats one the
+    # history knows, and the generation moved on) ...
+    assert fresh.gen == 1 == Job.objects.get(pk=result.id).generation
+    assert fresh.fence != stale.fence
+    assert fresh.attempt == (2 if start_mirrored else 1)
+    # ... and A's is refused everywhere, while B's is accepted
+    assert broker.start("default", [stale.fence]) == [False]
+    assert broker.extend("default", [stale.fence], lease_ms=60_000) == [False]
+    assert broker.ack("default", [stale.fence]) == [False]
+    assert broker.nack("default", [(*stale.fence, 0, "late")]) == [False]
+    assert broker.start("default", [fresh.fence]) == [True]
+    # ... and in the mirror, A's late success does not finish B's attempt
+    mirror.record("default", [success(stale, "A")])
+    row = Job.objects.get(pk=result.id)
+    assert row.state != JobState.SUCCEEDED
+    mirror.record("default", [success(fresh, "B")])
+    row.refresh_from_db()
+    assert (row.state, row.attempts, row.generation) == (JobState.SUCCEEDED, fresh.attempt, 1)
+    assert broker.ack("default", [fresh.fence]) == [True]
+
+
+def test_a_late_push_from_before_a_rebuild_does_not_run_the_job_again(
+    rj_settings: Any, redis_client: redis.Redis
+) -> None:
+    # Given: a job reconcile rebuilt (its on-commit push had not arrived),
+    # which then ran and was acked
+    rj_settings()
+    backend = task_backends["default"]
+    broker: Broker = backend.broker
+    result = demo.add.enqueue(1, 2)
+    redis_client.flushdb()
+    backdate(result.id)
+    assert Sweep(backend).reconcile().pushed == 1
+    job = broker.claim("default", count=1, lease_ms=60_000).jobs[0]
+    mirror.record("default", [success(job)])
+    assert broker.ack("default", [job.fence]) == [True]
+
+    # When: the original push (generation 0) arrives late
+    row = Job.objects.get(pk=result.id)
+    from reliable_jobs.broker import NewJob
+    written = broker.enqueue("default", [NewJob(str(row.pk), '{"task":"x"}', 3)])
+
+    # Then: it is refused, and nothing is left to claim
+    assert written == 0
+    assert broker.claim("default", count=10, lease_ms=60_000).jobs == []
+
+
+# -- 3. the jobs in hand are keyed by token ------------------------------------
+
+
+def test_a_job_claimed_again_by_the_same_worker_keeps_its_new_lease_renewed(
+    rj_settings: Any, redis_client: redis.Redis
+) -> None:
+    # Given: this worker claimed a job (attempt 1), lost it to lease expiry
+    # before starting it, and claimed it again (attempt 2)
+    rj_settings()
+    backend = task_backends["default"]
+    broker: Broker = backend.broker
+    demo.add.enqueue(1, 2)
+    in_hand = InHand()
+    first = broker.claim("default", count=1, lease_ms=50).jobs[0]
+    in_hand.add([first])
+    time.sleep(0.1)
+    Sweep(backend).redis_pass()
+    second = broker.claim("default", count=1, lease_ms=1_000).jobs[0]
+    in_hand.add([second])
+    assert (first.id, first.attempt, second.attempt) == (second.id, 1, 2)
+
+    # When: the stale attempt 1 is dropped (its outcome refused, or never run)
+    in_hand.drop([first])
+    keeper = LeaseKeeper(broker=broker, in_hand=in_hand, lease_ms=60_000,
+                         renew_interval_ms=1_000, worker_id="w", beat_info=dict,
+                         redis_outage=Outage("Redis"))
+    before = lease_of(redis_client, second.id)
+    assert keeper.renew()
+
+    # Then: attempt 2 is still in hand, and its lease was renewed
+    assert [job.attempt for jobs in in_hand.renewable().values() for job in jobs] == [2]
+    after = lease_of(redis_client, second.id)
+    assert before is not None and after is not None and after > before + 30_000
+
+
+def test_an_executor_never_runs_a_job_whose_lease_was_lost() -> None:
+    # Given: a held job whose renewal Redis refused
+    in_hand = InHand()
+    job = ClaimedJob("default", "a", 1, 3, "{}", 0)
+    in_hand.add([job])
+    in_hand.lose([job])
+
+    # Then: it cannot be started, and leaves the hand
+    assert in_hand.start(job) is False
+    assert len(in_hand) == 0
+
+
+# -- 4 and 5. reconcile, cancel and late pushes cannot resurrect a job ---------
+
+
+def test_a_cancel_racing_reconcile_never_runs_the_job(
+    rj_settings: Any, redis_client: redis.Redis
+) -> None:
+    # Given: an old queued job (a reconcile candidate) that staff cancel: the
+    # cancel has acted in Redis and its transaction has not committed yet
+    rj_settings()
+    backend = task_backends["default"]
+    result = demo.add.enqueue(1, 2)
+    backdate(result.id)
+    cancelled_in_redis = threading.Event()
+    release = threading.Event()
+
+    def staff_cancel() -> None:
+        with transaction.atomic():
+            assert mirror.lock_job("default", result.id) is not None
+            assert backend.broker.cancel("default", result.id)[0]
+            cancelled_in_redis.set()
+            release.wait(10)
+            mirror.mark_cancelled("default", result.id)
+        close_old_connections()
+
+    staff = threading.Thread(target=staff_cancel)
+    staff.start()
+    try:
+        assert cancelled_in_redis.wait(10)
+
+        # When: reconcile runs meanwhile
+        report = Sweep(backend).reconcile()
+    finally:
+        release.set()
+        staff.join(10)
+
+    # Then: it pushed nothing, and no worker can ever claim the job
+    assert report.pushed == 0
+    assert backend.broker.claim("default", count=10, lease_ms=60_000).jobs == []
+    assert Job.objects.get(pk=result.id).state == JobState.CANCELLED
+    backdate(result.id)
+    assert Sweep(backend).reconcile().pushed == 0
+
+
+def test_two_reconcilers_on_the_same_lost_rows_push_each_once(
+    rj_settings: Any, redis_client: redis.Redis
+) -> None:
+    # Given: 50 jobs Redis lost, and two reconcilers walking the same rows;
+    # the first holds them between its Redis check and its push
+    rj_settings()
+    backend = task_backends["default"]
+    broker: Broker = backend.broker
+    ids = [demo.add.enqueue(i, 0).id for i in range(50)]
+    redis_client.flushdb()
+    backdate(*ids)
+    first_has_them = threading.Event()
+    second_done = threading.Event()
+    real_held_states = broker.held_states
+
+    def held_states(queue: str, job_ids: Any) -> Any:
+        if threading.current_thread().name == "first-reconciler":
+            first_has_them.set()
+            second_done.wait(10)
+        return real_held_states(queue, job_ids)
+
+    broker.held_states = held_states  # type: ignore[method-assign]
+    reports: dict[str, Any] = {}
+
+    def first() -> None:
+        reports["first"] = Sweep(backend).reconcile()
+        close_old_connections()
+
+    thread = threading.Thread(target=first, name="first-reconciler")
+    thread.start()
+    try:
+        assert first_has_them.wait(10)
+
+        # When: the second reconciler runs while the first holds the rows
+        reports["second"] = Sweep(backend).reconcile()
+    finally:
+        second_done.set()
+        thread.join(10)
+        broker.held_states = real_held_states  # type: ignore[method-assign]
+
+    # Then: each job was pushed exactly once, by one of them
+    assert reports["first"].pushed + reports["second"].pushed == 50
+    assert sorted(redis_client.lrange(KEYS.queued, 0, -1)) == sorted(ids)
+    assert set(Job.objects.filter(pk__in=ids).values_list("generation", flat=True)) == {1}
+
+
+# -- 6 and 11. no worker waits on another worker, nor its leases on the database
+
+
+def process_state(pid: int) -> str:
+    """The one-letter state of a process ('T' when stopped), '' once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return ""
+
+
+def longest_pause(starts: list[float], since: float, until: float) -> float:
+    """The longest time in [since, until] during which none of ``starts`` happened."""
+    moments = [since, *sorted(t for t in starts if since < t < until), until]
+    return max(b - a for a, b in itertools.pairwise(moments))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(connection.vendor != "postgresql", reason=(
+    "SQLite has one writer for the whole database: a transaction frozen open holds "
+    "every other worker's writes (PostgreSQL locks rows, which this test is about)"))
+def test_a_worker_frozen_inside_its_mirror_transaction_never_stalls_the_others(
+    rj_settings: Any, processes: Processes, redis_client: redis.Redis
+) -> None:
+    # Given: three workers draining a steady flow of short jobs; worker A will
+    # freeze itself (SIGSTOP) inside its 4th mirror transaction, holding row
+    # locks that the others need once A's leases expire and they recover its jobs
+    env = rj_settings(LEASE_MS=1_000, RENEW_INTERVAL_MS=200, SWEEP_INTERVAL_MS=200)
+    backend = task_backends["default"]
+    results = backend.enqueue_many(demo.sleep_for, [((0.05,), {}) for _ in range(1200)])
+    frozen = processes.worker(env, "--concurrency", "4", "--worker-id", "A", extra_env={
+        "RJ_STOP_AT": "in_mirror_transaction", "RJ_STOP_AFTER": "3"})
+    others = [processes.worker(env, "--concurrency", "4", "--worker-id", name)
+              for name in ("B", "C")]
+
+    # When: A freezes there for 5 leases, then resumes
+    wait_until(lambda: process_state(frozen.pid) == "T", timeout=60,
+               message="worker A to freeze inside its mirror transaction")
+    stopped_at = timezone.now()
+    time.sleep(5.0)
+    frozen.send_signal(signal.SIGCONT)
+    resumed_at = timezone.now()
+    wait_until(lambda: Job.objects.filter(pk__in=[r.id for r in results],
+                                          state=JobState.SUCCEEDED).count() == len(results),
+               timeout=120, message="every job to succeed")
+
+    # Then: B and C kept starting jobs while A was frozen: no pause of theirs
+    # was longer than about one lease (lease, the lock timeout, a retry)
+    starts = [t.timestamp() for t in Attempt.objects.filter(
+        job_id__in=[r.id for r in results], worker_id__in=["B", "C"]
+    ).values_list("started_at", flat=True)]
+    pause = longest_pause(starts, stopped_at.timestamp(), resumed_at.timestamp())
+    assert pause < 2.5, f"the other workers started nothing for {pause:.1f} s"
+    # and nothing was lost or left running
+    assert not Job.objects.exclude(state=JobState.SUCCEEDED).exists()
+    for proc in (frozen, *others):
+        assert processes.stop(proc) == 0
