@@ -8,3 +8,6 @@ class ReliableJobsConfig(AppConfig):
     name = "reliable_jobs"
     verbose_name = _("Reliable jobs")
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from . import checks  # noqa: F401 - registers the deployment checks

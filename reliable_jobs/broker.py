@@ -22,6 +22,8 @@ from redis.exceptions import RedisClusterException
 from . import scripts
 from .keys import (
     QueueKeys,
+    logical_queue,
+    shard_index,
     shard_queue,
     shards_index,
     wake_marker,
@@ -39,6 +41,9 @@ WORKER_INDEX_KEEP_MS = 3_600_000
 #: Every error a Redis call can raise when the server or the network fails:
 #: the cluster client's own errors are not RedisErrors.
 REDIS_ERRORS: tuple[type[Exception], ...] = (redis.RedisError, RedisClusterException)
+
+#: How often a producer records again a shard it writes to, in seconds.
+REGISTER_EVERY_S = 10.0
 
 #: How long a finished rebuilt job (generation > 0) keeps a tombstone, in ms:
 #: a push of it from before the rebuild that arrives meanwhile is refused.
@@ -176,8 +181,8 @@ class Broker:
             for name in scripts.SCRIPT_NAMES
         }
         self._blocking: redis.Redis | None = None
-        #: Shards this process has recorded in their shards index.
-        self._registered: set[str] = set()
+        #: Shards this process recorded in their shards index, and when (monotonic s).
+        self._registered: dict[str, float] = {}
 
     def keys(self, queue: str) -> QueueKeys:
         keys = self._keys.get(queue)
@@ -229,14 +234,16 @@ class Broker:
         newer generation (see enqueue.lua).
 
         ``queue`` is a physical queue (a shard). A shard other than 0 is
-        recorded in its queue's shards index the first time this process
-        writes to it (every time when ``register``), so workers find and drain
-        it even after SHARDS shrinks.
+        recorded in its queue's shards index when this process writes to it,
+        again at least every REGISTER_EVERY_S (Redis may have lost the index
+        since) and every time when ``register``, so workers find and drain it
+        even after SHARDS shrinks.
         """
-        if "#" in queue and (register or queue not in self._registered):
-            logical, index = queue.split("#", 1)
-            self.client.zadd(shards_index(self.prefix, logical), {index: int(index)})
-            self._registered.add(queue)
+        index = shard_index(queue)
+        if index and (register or time.monotonic() - self._registered.get(queue, -1e9)
+                      > REGISTER_EVERY_S):
+            self.client.zadd(shards_index(self.prefix, logical_queue(queue)), {str(index): index})
+            self._registered[queue] = time.monotonic()
         k = self.keys(queue)
         args: list[Any] = []
         for job in jobs:
@@ -440,9 +447,11 @@ class Broker:
 
         Workers killed outright never say goodbye: entries of the index older
         than an hour (far beyond any heartbeat TTL) are dropped here, so the
-        index stays as small as the set of recent workers.
+        index stays as small as the set of recent workers. Beats are scored
+        on the Redis server's clock, so one worker's skewed clock can neither
+        drop the others nor keep itself listed.
         """
-        now_ms = int(time.time() * 1000)
+        now_ms = self.server_time_ms()
         index = workers_index(self.prefix)
         with self.client.pipeline(transaction=False) as pipe:
             pipe.set(worker_key(self.prefix, worker_id), json.dumps(info), px=ttl_ms)
@@ -510,7 +519,7 @@ class WorkerBeat:
     """A live worker's last heartbeat: what ``Worker._heartbeat`` wrote."""
 
     id: str
-    #: When it last beat, in ms since the epoch (the worker's clock).
+    #: When it last beat, in ms since the epoch (the Redis server's clock).
     beat_ms: int
     #: id, host, pid, queues, concurrency, jobs ("queue:id", at most 50),
     #: started (epoch s), claimed, finished.

@@ -10,6 +10,8 @@ enqueue failing in production. Ids:
 - E010 a bad OPTIONS['SHARDS'] entry (not 1 to 1024 shards, or a queue not
   in QUEUES).
 - W001 Redis does not answer (a warning: it may start after the web app).
+- W003 Redis may evict keys (maxmemory-policy is not noeviction); a
+  deployment check (``check --deploy``).
 - W002 REDIS_URL not set (absent, None or empty: usually an environment
   variable that is missing), so the default URL is used.
 
@@ -19,7 +21,7 @@ Nothing here runs at import: a missing or unreachable Redis is reported by
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from django.apps import apps
 from django.core import checks
@@ -92,3 +94,46 @@ def _check_reachable(where: str, url: str) -> list[checks.CheckMessage]:
     finally:
         client.close()
     return []
+
+
+@checks.register(checks.Tags.compatibility, deploy=True)
+def check_redis_eviction(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """W003 (``check --deploy``) unless Redis is known never to evict keys.
+
+    An evicting Redis drops job hashes, leases or whole lists under memory
+    pressure: jobs then wait for reconcile, and an evicted tombstone lets a
+    late push run a job again. A deployment check only: it needs CONFIG GET,
+    which the minimal ACL does not grant (workers run the ordinary checks,
+    and a refused command would fill the ACL log); a user without CONFIG
+    rights is not warned, the policy cannot be read.
+    """
+    from django.tasks import task_backends
+
+    from .backend import ReliableJobsBackend
+
+    messages: list[checks.CheckMessage] = []
+    for backend in task_backends.all():
+        if isinstance(backend, ReliableJobsBackend) and not backend.problems():
+            where = f"TASKS[{backend.alias!r}]"
+            messages += _check_eviction(where, backend.config.REDIS_URL)
+    return messages
+
+
+def _check_eviction(where: str, url: str) -> list[checks.CheckMessage]:
+    client = connect(url, socket_timeout=PING_TIMEOUT_S)
+    try:
+        policies = client.config_get("maxmemory-policy")
+    except (*REDIS_ERRORS, OSError):
+        return []
+    finally:
+        client.close()
+    found = {str(v) for v in (policies.values() if isinstance(policies, dict) else [])}
+    if not found or found == {"noeviction"}:
+        return []
+    return [checks.Warning(
+        f"{where}: Redis at {mask_password(url)} has maxmemory-policy "
+        f"{', '.join(sorted(found))}: it may evict job data under memory pressure.",
+        hint="Set maxmemory-policy noeviction (CONFIG SET maxmemory-policy noeviction, and in "
+             "redis.conf): a full Redis should refuse writes, never drop jobs.",
+        id="reliable_jobs.W003",
+    )]

@@ -44,6 +44,12 @@ def logical_queue(physical: str) -> str:
     return physical.split("#", 1)[0]
 
 
+def shard_index(physical: str) -> int:
+    """The shard number of a physical queue (0 for the plain name)."""
+    _, _, index = physical.partition("#")
+    return int(index) if index else 0
+
+
 def shards_index(prefix: str, queue: str) -> str:
     """Sorted set of the shard indexes of ``queue`` that were ever written to."""
     return f"{prefix}:shards:{queue}"

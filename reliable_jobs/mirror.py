@@ -17,7 +17,7 @@ import json
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import connections, transaction
@@ -385,6 +385,19 @@ def expired_record(job_id: str, attempts: int, *, dead: bool, error: str,
 
 
 # -- reconcile ----------------------------------------------------------
+
+
+def grace_cutoff(using: str, grace_ms: int) -> datetime:
+    """Now minus ``grace_ms`` on the database's clock (on PostgreSQL), the clock
+    that stamps ``updated_at`` in the worker's writes: a worker whose own clock
+    runs ahead cannot make a healthy job look old."""
+    if connections[using].vendor == "postgresql":
+        with connections[using].cursor() as cursor:
+            cursor.execute("SELECT now()")
+            now: datetime = cursor.fetchone()[0]
+    else:
+        now = timezone.now()
+    return now - timedelta(milliseconds=grace_ms)
 
 
 def reconcile_candidates(

@@ -19,7 +19,6 @@ from django.db import transaction
 from django.utils import timezone
 
 from . import mirror
-from .models import JobState
 
 if TYPE_CHECKING:
     from .backend import ReliableJobsBackend
@@ -69,12 +68,14 @@ def _prune_batch(backend: ReliableJobsBackend, state: str, cutoff: datetime, bat
                                     unchanged_since=cutoff, limit=batch)
         if not rows:
             return 0
-        if state == JobState.DEAD:
-            by_queue: dict[str, list[str]] = {}
-            for job_id, queue in rows:
-                by_queue.setdefault(queue, []).append(str(job_id))
-            for queue, ids in by_queue.items():
-                report.redis_hashes += backend.broker.purge(queue, ids)
+        # Every finished state, not only dead: a row can end succeeded while
+        # Redis still buries the job (a lease expiry recorded after the
+        # outcome), and nothing but this prune would ever forget that entry.
+        by_queue: dict[str, list[str]] = {}
+        for job_id, queue in rows:
+            by_queue.setdefault(queue, []).append(str(job_id))
+        for queue, ids in by_queue.items():
+            report.redis_hashes += backend.broker.purge(queue, ids)
         jobs, attempts = mirror.delete_jobs(database, [job_id for job_id, _ in rows])
     report.jobs += jobs
     report.attempts += attempts

@@ -12,7 +12,7 @@ import logging
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, fields
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import TYPE_CHECKING
 
 from django.db import DatabaseError, transaction
@@ -164,7 +164,7 @@ class Sweep:
         """
         report = SweepReport()
         config = self.backend.config
-        older_than = timezone.now() - timedelta(milliseconds=config.RECONCILE_GRACE_MS)
+        older_than = mirror.grace_cutoff(config.DATABASE, config.RECONCILE_GRACE_MS)
         batches = 0
         while max_batches is None or batches < max_batches:
             rows = mirror.reconcile_candidates(

@@ -248,3 +248,31 @@ def test_enqueue_on_a_misconfigured_backend_raises_improperly_configured(
     # Then: nothing was written
     assert Job.objects.count() == 0
     assert redis_client.dbsize() == 0
+
+
+def test_a_redis_that_may_evict_keys_is_a_warning(rj_settings: Configure, valkey_url: str
+                                                   ) -> None:
+    # Given: a Redis (here Valkey) whose maxmemory-policy evicts keys
+    client = redis.Redis.from_url(valkey_url, decode_responses=True)
+    before = client.config_get("maxmemory-policy")["maxmemory-policy"]
+    rj_settings(REDIS_URL=valkey_url)
+    try:
+        client.config_set("maxmemory-policy", "allkeys-lru")
+
+        # When: the deployment checks run (the ordinary ones never ask)
+        assert reliable_jobs_messages() == []
+        messages = [m for m in run_checks(include_deployment_checks=True)
+                    if (m.id or "").startswith("reliable_jobs.")]
+
+        # Then: W003 names the policy and the fix
+        assert [m.id for m in messages] == ["reliable_jobs.W003"]
+        assert "allkeys-lru" in messages[0].msg and "noeviction" in (messages[0].hint or "")
+        assert_whole_sentences(messages[0])
+
+        # When: the policy is noeviction, Then: nothing is said
+        client.config_set("maxmemory-policy", "noeviction")
+        assert [m for m in run_checks(include_deployment_checks=True)
+                if (m.id or "").startswith("reliable_jobs.")] == []
+    finally:
+        client.config_set("maxmemory-policy", before)
+        client.close()
