@@ -9,7 +9,9 @@ import redis
 from django.tasks import task_backends
 from redis.crc import key_slot
 
-from reliable_jobs.keys import QueueKeys, shard_queue
+from reliable_jobs import broker as broker_module
+from reliable_jobs.broker import NewJob
+from reliable_jobs.keys import QueueKeys, shard_queue, shards_index
 from reliable_jobs.models import Job, JobState
 from testproject.demo import tasks as demo
 
@@ -75,3 +77,25 @@ def test_changing_the_shard_count_while_jobs_flow_loses_nothing(
                message="every job on every shard to finish")
     for worker in (old_worker, new_worker):
         assert processes.stop(worker) == 0
+
+
+def test_a_producer_records_its_shard_again_after_redis_lost_the_index(
+    rj_settings: Any, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given: a producer that wrote to shard 1 (recorded in the shards index)
+    rj_settings(SHARDS={"default": 2})
+    broker = task_backends["default"].broker
+    broker.enqueue("default#1", [NewJob("a", "{}", 3)])
+    index = shards_index("rj", "default")
+    assert redis_client.zrange(index, 0, -1) == ["1"]
+
+    # When: Redis loses the index, and the producer writes to that shard again
+    # once its record is older than REGISTER_EVERY_S (0 here, not 10 s)
+    redis_client.delete(index)
+    monkeypatch.setattr(broker_module, "REGISTER_EVERY_S", 0.0)
+    broker.enqueue("default#1", [NewJob("b", "{}", 3)])
+
+    # Then: the shard is recorded again, so workers keep draining it even if
+    # SHARDS shrinks to 1
+    assert redis_client.zrange(index, 0, -1) == ["1"]
+    assert "default#1" in broker.physical_queues(["default"], {})
