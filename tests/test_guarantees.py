@@ -28,10 +28,12 @@ from reliable_jobs.broker import Broker, ClaimedJob
 from reliable_jobs.keys import QueueKeys
 from reliable_jobs.mirror import AttemptRecord
 from reliable_jobs.models import Attempt, AttemptOutcome, Job, JobState
+from reliable_jobs.retention import prune
 from reliable_jobs.sweep import Sweep
+from reliable_jobs.worker import Worker
 from reliable_jobs.worker.backoff import Outage
 from reliable_jobs.worker.leases import LeaseKeeper
-from reliable_jobs.worker.registry import InHand
+from reliable_jobs.worker.registry import InHand, printable
 from testproject.demo import tasks as demo
 
 from .conftest import Processes, wait_until
@@ -389,3 +391,116 @@ def test_a_worker_frozen_inside_its_mirror_transaction_never_stalls_the_others(
     assert not Job.objects.exclude(state=JobState.SUCCEEDED).exists()
     for proc in (frozen, *others):
         assert processes.stop(proc) == 0
+
+
+# -- 7. a hard stop never hands back a job whose outcome is in the mirror --------
+
+
+def test_a_hard_stop_releases_only_jobs_whose_outcome_is_not_mirrored(
+    rj_settings: Any, redis_client: redis.Redis
+) -> None:
+    # Given: a worker holding two started jobs; the first one's success is in
+    # the mirror, its ack not yet sent
+    rj_settings()
+    backend = task_backends["default"]
+    broker: Broker = backend.broker
+    ids = [demo.add.enqueue(i, 0).id for i in range(2)]
+    worker = Worker(backend, queues=["default"])
+    done, running = broker.claim("default", count=2, lease_ms=60_000).jobs
+    assert broker.start("default", [done.fence, running.fence]) == [True, True]
+    worker.in_hand.add([done, running])
+    for job in (done, running):
+        worker.in_hand.start(job)
+    mirror.record("default", [success(done)])
+    worker.in_hand.mirrored([done])
+
+    # When: it is stopped hard (a second signal), with its finisher gone
+    worker._hard_stop.set()
+    worker._shutdown([], threading.Thread(target=lambda: None))
+
+    # Then: only the job without a mirrored outcome went back to the queue;
+    # the other stays held until recover settles it from the mirror
+    assert redis_client.lrange(KEYS.queued, 0, -1) == [running.id]
+    assert redis_client.hget(KEYS.job(done.id), "state") == "running"
+    assert Job.objects.get(pk=done.id).state == JobState.SUCCEEDED
+    assert Attempt.objects.get(job_id=done.id, number=1).outcome == AttemptOutcome.SUCCEEDED
+    assert Attempt.objects.get(job_id=running.id, number=1).outcome == AttemptOutcome.RELEASED
+    assert sorted(ids) == sorted([done.id, running.id])
+
+
+# -- 12. the smaller ones -------------------------------------------------------
+
+
+def test_a_retry_due_later_is_mirrored_and_survives_a_rebuild(
+    rj_settings: Any, redis_client: redis.Redis
+) -> None:
+    # Given: a job whose attempt failed with a retry due in a minute
+    rj_settings()
+    backend = task_backends["default"]
+    result = demo.add.enqueue(1, 2)
+    job = backend.broker.claim("default", count=1, lease_ms=60_000).jobs[0]
+    due = timezone.now() + timedelta(minutes=1)
+    mirror.record("default", [AttemptRecord(
+        job_id=job.id, attempt=1, gen=0, job_state=JobState.SCHEDULED, worker_id="w",
+        started_at=timezone.now(), finished_at=timezone.now(), outcome=AttemptOutcome.FAILED,
+        error="ValueError: flaky", retry_at=due)])
+    assert backend.broker.nack("default", [(*job.fence, 60_000, "ValueError: flaky")]) == [True]
+
+    # When: Redis loses it, and reconcile rebuilds it from the row
+    redis_client.flushdb()
+    backdate(result.id)
+    assert Sweep(backend).reconcile().pushed == 1
+
+    # Then: it waits for its retry instead of running at once
+    assert Job.objects.get(pk=result.id).run_after == due
+    assert backend.broker.claim("default", count=1, lease_ms=60_000).jobs == []
+    assert redis_client.zscore(KEYS.scheduled, result.id) == pytest.approx(
+        due.timestamp() * 1000, abs=2)
+
+
+def test_bury_is_fenced_by_generation_and_attempt(rj_settings: Any) -> None:
+    # Given: a job rebuilt once (generation 1) now at attempt 3
+    rj_settings()
+    result = demo.add.enqueue(1, 2)
+    Job.objects.filter(pk=result.id).update(generation=1, attempts=3, state=JobState.RUNNING)
+
+    # When: a death Redis recorded for an older generation or attempt is mirrored
+    mirror.bury("default", result.id, attempts=5, gen=0, error="old generation")
+    mirror.bury("default", result.id, attempts=2, gen=1, error="older attempt")
+
+    # Then: neither moves the row; the current one does
+    assert Job.objects.get(pk=result.id).state == JobState.RUNNING
+    mirror.bury("default", result.id, attempts=3, gen=1, error="current")
+    assert Job.objects.get(pk=result.id).last_error == "current"
+
+
+def test_prune_forgets_a_dead_redis_entry_of_a_row_that_succeeded(
+    rj_settings: Any, redis_client: redis.Redis
+) -> None:
+    # Given: a row that succeeded long ago while Redis still buries the job
+    rj_settings()
+    backend = task_backends["default"]
+    result = demo.add.enqueue(1, 2)
+    Job.objects.filter(pk=result.id).update(state=JobState.SUCCEEDED,
+                                            updated_at=timezone.now() - timedelta(days=60))
+    redis_client.delete(KEYS.queued)
+    redis_client.hset(KEYS.job(result.id), mapping={"state": "dead", "attempts": 1})
+    redis_client.zadd(KEYS.dead, {result.id: 1})
+
+    # When: finished jobs older than 30 days are pruned
+    report = prune(backend, older_than=timedelta(days=30))
+
+    # Then: the row is gone, and so is everything Redis kept of it
+    assert report.jobs == 1 and not Job.objects.filter(pk=result.id).exists()
+    assert not redis_client.exists(KEYS.job(result.id))
+    assert redis_client.zcard(KEYS.dead) == 0
+
+
+def test_an_id_read_from_redis_cannot_forge_a_log_line() -> None:
+    # Given ids anyone who can write to Redis may choose
+    forged = "x\n2026-12-01 00:00:00 INFO reliable_jobs.worker: all good"
+    # Then a log line shows them on one line, and plain ids unchanged
+    assert "\n" not in printable(forged)
+    assert printable("0b6c3f8e-1a2b-4c5d-8e9f-0a1b2c3d4e5f") == (
+        "0b6c3f8e-1a2b-4c5d-8e9f-0a1b2c3d4e5f")
+    assert len(printable("y" * 10_000)) < 120
