@@ -61,6 +61,7 @@ from .models import Attempt, AttemptOutcome, Job, JobState
 from .netfaults import CuttableProxy
 from .supervisor import signal_when_parent_dies
 from .tasks import discover, lookup
+from .worker.executor import MARK_AHEAD
 
 if TYPE_CHECKING:
     from .backend import ReliableJobsBackend
@@ -773,7 +774,8 @@ class ChaosRun:
             return  # a --task that keeps no ledger: nothing to check
         findings = chaos_ledger.analyse(
             ledger, deaths=self.deaths, final_states=final_states, ended_at=ended_at,
-            redis_losses=[fault.wall for fault in self.faults if fault.name == FLUSH_FAULT])
+            redis_losses=[fault.wall for fault in self.faults if fault.name == FLUSH_FAULT],
+            start_lag_s=max(1.0, 2 * MARK_AHEAD * self.config.task_ms / 1000))
         report.ledger = findings
         report.evidence = chaos_ledger.evidence(findings, self.deaths)
         lines = [f"kill: worker {kill.worker_id} pid {kill.pid} dead at "

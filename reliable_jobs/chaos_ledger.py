@@ -205,7 +205,7 @@ def expected_state(last: Run | None) -> str:
 
 def analyse(ledger: Ledger | Iterable[Run], *, deaths: Mapping[int, float],
             final_states: Mapping[str, str], ended_at: float,
-            redis_losses: Iterable[float] = ()) -> Findings:
+            redis_losses: Iterable[float] = (), start_lag_s: float = 1.0) -> Findings:
     """Check the ledger against the process deaths the run caused and the final states.
 
     ``deaths`` maps the pid of every worker process that died during the run
@@ -213,7 +213,10 @@ def analyse(ledger: Ledger | Iterable[Run], *, deaths: Mapping[int, float],
     ``final_states`` maps every enqueued job id to its final mirror state;
     ``ended_at`` is when the run stopped its processes; ``redis_losses``
     are the times Redis lost everything (a FLUSHDB), a crash of every job
-    it held: whatever was running then may run again.
+    it held: whatever was running then may run again, and so may a job
+    marked started just before the loss whose body began just after it
+    (a worker marks up to 16 jobs at once and runs them in turn), hence
+    ``start_lag_s``: a loss that early before a run's start still counts.
 
     - Concurrent runs: two runs of one job whose spans [start, end]
       intersect, where a run without an end lasts until its process died
@@ -255,7 +258,7 @@ def analyse(ledger: Ledger | Iterable[Run], *, deaths: Mapping[int, float],
             died = deaths.get(previous.pid)
             if died is not None and previous.start <= died <= run.start:
                 continue
-            if any(previous.start <= lost <= run.start for lost in losses):
+            if any(previous.start - start_lag_s <= lost <= run.start for lost in losses):
                 continue
             findings.reruns_without_crash.append(RerunWithoutCrash(job, previous, run))
     for job, state in final_states.items():

@@ -209,12 +209,12 @@ def test_the_task_side_writes_a_start_and_an_end_with_the_outcome(
 def test_a_rerun_across_a_redis_loss_is_a_crash_but_not_one_after_it(tmp_path: Path) -> None:
     # Given: Redis lost its data at 10.05 s. j1 ran on A from 10.0 s (its
     # outcome not yet mirrored) and again on A at 10.4 s, rebuilt from the
-    # mirror; j2 first ran at 10.1 s, after the loss, and again at 10.4 s
+    # mirror; j2 first ran at 11.2 s, well after the loss, and again at 11.5 s
     ledger = read_ledger(write_ledger(tmp_path / "ledger", [
         run("j1", 1, WORKER_A, 10.0, 10.04),
         run("j1", 1, WORKER_A, 10.4, 10.44),
-        run("j2", 1, WORKER_A, 10.1, 10.14),
-        run("j2", 1, WORKER_A, 10.4, 10.44),
+        run("j2", 1, WORKER_A, 11.2, 11.24),
+        run("j2", 1, WORKER_A, 11.5, 11.54),
     ]))
 
     # When
@@ -223,3 +223,20 @@ def test_a_rerun_across_a_redis_loss_is_a_crash_but_not_one_after_it(tmp_path: P
 
     # Then: only j2's second run is unexplained
     assert [r.job for r in findings.reruns_without_crash] == ["j2"]
+
+
+def test_a_job_marked_started_just_before_a_redis_loss_may_run_again(tmp_path: Path) -> None:
+    # Given: j1 was marked started before Redis lost its data at 10.0 s, its
+    # body began 5 ms later, and the rebuilt job ran again at 10.4 s
+    ledger = read_ledger(write_ledger(tmp_path / "ledger", [
+        run("j1", 1, WORKER_A, 10.005, 10.045),
+        run("j1", 1, WORKER_B, 10.4, 10.44),
+    ]))
+
+    # When / Then: within the start lag it is a crash; with no lag it is not
+    excused = analyse(ledger, deaths={}, final_states={"j1": "succeeded"}, ended_at=T0 + 20,
+                      redis_losses=[T0 + 10.0], start_lag_s=1.0)
+    assert excused.reruns_without_crash == []
+    strict = analyse(ledger, deaths={}, final_states={"j1": "succeeded"}, ended_at=T0 + 20,
+                     redis_losses=[T0 + 10.0], start_lag_s=0.0)
+    assert [r.job for r in strict.reruns_without_crash] == ["j1"]
