@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.apps import apps
 from django.core import checks
+from redis.exceptions import ResponseError
 
 from .broker import REDIS_ERRORS, connect
 from .conf import DEFAULTS, mask_password
@@ -84,6 +85,14 @@ def _check_reachable(where: str, url: str) -> list[checks.CheckMessage]:
     client = connect(url, socket_timeout=PING_TIMEOUT_S)
     try:
         client.ping()
+    except ResponseError as exc:
+        # It answered, and refused: waiting will not help.
+        return [checks.Warning(
+            f"{where}: Redis at {mask_password(url)} refused the connection ({exc}).",
+            hint="Check the database index (most servers have 0 to 15), the user name and "
+                 "the password in REDIS_URL.",
+            id="reliable_jobs.W001",
+        )]
     except (*REDIS_ERRORS, OSError) as exc:
         return [checks.Warning(
             f"{where}: Redis at {mask_password(url)} does not answer ({exc}).",

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field, fields
 from difflib import get_close_matches
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 from django.views import debug
 
@@ -191,6 +191,18 @@ def redis_url_problem(url: object) -> str:
     if parts.scheme not in REDIS_SCHEMES:
         return (f"OPTIONS['REDIS_URL'] must be a redis://, rediss://, unix:// or "
                 f"redis+cluster:// URL, not {mask_password(url)!r}.")
+    # redis-py reads the database index from the path (/<n>) or ?db=<n>, and
+    # silently uses 0 for anything it cannot read: say so instead.
+    indexes = [v for k, v in parse_qsl(parts.query, keep_blank_values=True) if k == "db"]
+    if parts.scheme != "unix" and parts.path not in ("", "/"):
+        indexes.append(parts.path[1:])
+    for index in indexes:
+        if not index.isdigit() or not index.isascii():
+            return (f"OPTIONS['REDIS_URL'] {mask_password(url)!r} names database {index!r}: "
+                    "a Redis database index is a whole number, e.g. redis://host:6379/0.")
+        if parts.scheme.endswith("+cluster") and int(index) != 0:
+            return (f"OPTIONS['REDIS_URL'] {mask_password(url)!r} names database {index}: a "
+                    "Redis Cluster has only database 0.")
     return ""
 
 

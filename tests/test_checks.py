@@ -73,6 +73,9 @@ def test_default_options_have_no_messages(settings: Any, redis_client: redis.Red
         ({"REDIS_URL": "redis://127.0.0.1:notaport/0"}, "E002", "notaport"),
         ({"REDIS_URL": "redis://127.0.0.1:99999/0"}, "E002", "99999"),
         ({"REDIS_URL": "redis://[::1/0"}, "E002", "[::1"),
+        ({"REDIS_URL": "redis://127.0.0.1:6379/abc"}, "E002", "names database 'abc'"),
+        ({"REDIS_URL": "redis://127.0.0.1:6379/0?db=x"}, "E002", "names database 'x'"),
+        ({"REDIS_URL": "redis+cluster://127.0.0.1:7000/3"}, "E002", "only database 0"),
         ({"PREFETCH": "20"}, "E003", "OPTIONS['PREFETCH'] must be a whole number >= 0, not '20'"),
         ({"PREFETCH": -1}, "E003", "OPTIONS['PREFETCH'] must be a whole number >= 0"),
         ({"TIMEOUT_MS": 1.5}, "E003", "OPTIONS['TIMEOUT_MS']"),
@@ -276,3 +279,16 @@ def test_a_redis_that_may_evict_keys_is_a_warning(rj_settings: Configure, valkey
     finally:
         client.config_set("maxmemory-policy", before)
         client.close()
+
+
+def test_a_database_index_redis_does_not_have_says_so(rj_settings: Configure) -> None:
+    # Given: a database index beyond the server's 16
+    rj_settings(REDIS_URL="redis://127.0.0.1:6379/99")
+
+    # When: the checks run
+    messages = reliable_jobs_messages()
+
+    # Then: W001 says Redis refused, and points at the index, not at waiting
+    assert [m.id for m in messages] == ["reliable_jobs.W001"]
+    assert "refused" in messages[0].msg
+    assert "database index" in (messages[0].hint or "")

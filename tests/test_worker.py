@@ -309,3 +309,17 @@ def test_task_that_kills_its_own_process_fails_only_its_attempt(
     assert (job.state, job.attempts) == (JobState.DEAD, 3)
     assert "ChildDied" in job.last_error and "code 9" in job.last_error
     assert demo.add.get_result(after.id).return_value == 10
+
+
+def test_a_burst_run_gives_up_when_redis_never_answers(
+    rj_settings: Any, processes: Processes
+) -> None:
+    # Given: a burst worker whose Redis is a port where nothing listens
+    env = {**rj_settings(), "REDIS_URL": "redis://127.0.0.1:1/0"}
+
+    # When: it runs with a short give-up time
+    worker = processes.worker(env, "--burst", "--burst-give-up", "1.5")
+
+    # Then: it exits with an error that says why, instead of waiting for ever
+    assert worker.wait(timeout=30) == 1, processes.log(worker)
+    assert "Redis did not answer for 1.5 s" in processes.log(worker)

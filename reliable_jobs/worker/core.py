@@ -88,6 +88,7 @@ class Worker:
         grace_s: float = 30.0,
         prefetch: int | None = None,
         progress: Callable[[str], None] | None = None,
+        give_up_s: float | None = None,
     ) -> None:
         self.backend = backend
         self.config = backend.config
@@ -99,6 +100,9 @@ class Worker:
         self.grace_s = grace_s
         self.prefetch = self.config.PREFETCH if prefetch is None else prefetch
         self.progress = progress
+        #: Stop (``gave_up``) when Redis has not answered for this long (burst runs).
+        self.give_up_s = give_up_s
+        self.gave_up = False
         self.broker = backend.broker
         #: The shards of ``queues`` (just the queues when none is sharded),
         #: refreshed by every sweep so a change of SHARDS is picked up.
@@ -295,7 +299,20 @@ class Worker:
                     self.maintenance.reconcile_soon()
             except REDIS_ERRORS as exc:
                 self._redis_outage.failed(exc, "claiming")
+                if self._given_up():
+                    break
                 backoff.wait(self._stopping)
+
+    def _given_up(self) -> bool:
+        """Whether Redis has been down longer than ``give_up_s``; if so, say so once."""
+        down_since = self._redis_outage.down_since
+        if self.give_up_s is None or down_since is None:
+            return False
+        if time.monotonic() - down_since < self.give_up_s:
+            return False
+        logger.error("Redis has not answered for %.0f s: giving up.", self.give_up_s)
+        self.gave_up = True
+        return True
 
     def _set_physical(self, physical: list[str]) -> None:
         self._physical = physical

@@ -81,6 +81,9 @@ class Command(BaseCommand):
                                  "batch (default: OPTIONS['PREFETCH']).")
         parser.add_argument("--burst", action="store_true",
                             help="Exit when nothing is queued, running or scheduled.")
+        parser.add_argument("--burst-give-up", type=float, default=60.0, metavar="SECONDS",
+                            help="With --burst: exit with an error when Redis has not answered "
+                                 "for this long (default: %(default)r).")
         parser.add_argument("--max-jobs", type=int, default=None,
                             help="Exit after claiming this many jobs (default: no limit).")
         parser.add_argument("--worker-id", default=None,
@@ -118,6 +121,8 @@ class Command(BaseCommand):
             raise CommandError("--max-jobs must be at least 1.")
         if options["processes"] < 1:
             raise CommandError("--processes must be at least 1.")
+        if options["burst_give_up"] <= 0:
+            raise CommandError("--burst-give-up must be more than 0 seconds.")
         if options["processes"] > 1:
             supervisor = Supervisor(runworker_command_line(), processes=options["processes"],
                                     base_id=options["worker_id"] or default_worker_id())
@@ -130,9 +135,14 @@ class Command(BaseCommand):
             worker_id=options["worker_id"], burst=options["burst"],
             max_jobs=options["max_jobs"], grace_s=options["grace"],
             prefetch=options["prefetch"], progress=progress,
+            give_up_s=options["burst_give_up"] if options["burst"] else None,
         )
         worker.install_signal_handlers()
         worker.run()
         if worker.crashed:
             raise CommandError("A worker thread died of an unexpected error (logged above); "
                                "its jobs were handed back.")
+        if worker.gave_up:
+            raise CommandError(f"Redis did not answer for {options['burst_give_up']:g} s; the "
+                               "burst run gave up (its jobs stay queued). Check REDIS_URL and "
+                               "that Redis is running.")
