@@ -15,9 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
+from redis.backoff import ExponentialBackoff
 from redis.cluster import RedisCluster
 from redis.commands.core import Script
 from redis.exceptions import RedisClusterException
+from redis.retry import Retry
 
 from . import scripts
 from .keys import (
@@ -41,6 +43,9 @@ WORKER_INDEX_KEEP_MS = 3_600_000
 #: Every error a Redis call can raise when the server or the network fails:
 #: the cluster client's own errors are not RedisErrors.
 REDIS_ERRORS: tuple[type[Exception], ...] = (redis.RedisError, RedisClusterException)
+
+#: Retries of a call on a Redis Cluster after a connection error or timeout.
+CLUSTER_RETRIES = 1
 
 #: How often a producer records again a shard it writes to, in seconds.
 REGISTER_EVERY_S = 10.0
@@ -162,7 +167,13 @@ def connect(url: str, *, socket_timeout: float | None = SOCKET_TIMEOUT_S) -> Any
     }
     scheme, rest = url.split("://", 1)
     if scheme in CLUSTER_SCHEMES:
-        return RedisCluster.from_url(f"{CLUSTER_SCHEMES[scheme]}://{rest}", **options)
+        # redis-py's cluster client retries a call 10 times by default, each
+        # waiting the full socket timeout on a hung node: about 110 s for one
+        # call, longer than a lease, while one thread renews every queue's
+        # leases. One retry (with a fresh slot map) rides out a failover.
+        return RedisCluster.from_url(f"{CLUSTER_SCHEMES[scheme]}://{rest}",
+                                     retry=Retry(ExponentialBackoff(cap=1.0, base=0.1),
+                                                 CLUSTER_RETRIES), **options)
     return redis.Redis.from_url(url, health_check_interval=30, **options)
 
 

@@ -6,20 +6,26 @@ one slot; queues here are chosen to live on different masters.
 
 from __future__ import annotations
 
+import logging
 import signal
+import threading
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
+from django.db import transaction
 from django.tasks import task_backends
+from django.utils import timezone
 from redis.crc import key_slot
 
 from reliable_jobs.broker import Broker, NewJob
 from reliable_jobs.keys import QueueKeys
 from reliable_jobs.models import Job, JobState
+from reliable_jobs.sweep import Sweep
 from testproject.demo import tasks as demo
 
 from .conftest import Processes, wait_until
@@ -179,3 +185,153 @@ def test_failover_of_a_master_loses_no_job(
     finally:
         harness.stop()
     assert isinstance(task_backends["default"].broker.client, redis.RedisCluster)
+
+
+# -- a master that stops answering: enqueue never fails, workers never die ----------
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture
+def app_log() -> Iterator[list[logging.LogRecord]]:
+    """Records of the ``reliable_jobs`` logger (it does not propagate to caplog's root)."""
+    handler = _Records()
+    logger = logging.getLogger("reliable_jobs")
+    logger.addHandler(handler)
+    yield handler.records
+    logger.removeHandler(handler)
+
+
+def queue_master(cluster: RedisClusterHarness) -> int:
+    return cluster.master_port_of(QueueKeys("rj", "default").queued)
+
+
+def restart_node(cluster: RedisClusterHarness, port: int) -> None:
+    """Start a killed node again (empty, same node id and slots) and wait for the cluster."""
+    cluster._start_node(port)
+    cluster.wait_ok(timeout=30)
+
+
+@pytest.fixture
+def healthy_cluster_after(cluster: RedisClusterHarness) -> Iterator[RedisClusterHarness]:
+    """Whatever the test did to a node, the module's cluster is whole again afterwards."""
+    yield cluster
+    for port, proc in list(cluster.processes.items()):
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
+        else:
+            cluster._start_node(port)
+    cluster.wait_ok(timeout=30)
+
+
+@pytest.mark.crash
+def test_a_killed_cluster_master_never_raises_into_enqueue(
+    healthy_cluster_after: RedisClusterHarness, cluster_env: dict[str, str],
+    app_log: list[logging.LogRecord],
+) -> None:
+    # Given: a producer whose cluster client already knows the cluster, and the
+    # master that owns the queue's slot SIGKILLed
+    cluster = healthy_cluster_after
+    backend = task_backends["default"]
+    warm = demo.add.enqueue(1, 1)
+    victim = queue_master(cluster)
+    cluster.kill(victim)
+
+    # When: a job is enqueued in a transaction that commits
+    began = time.monotonic()
+    with transaction.atomic():
+        result = demo.add.enqueue(2, 3)
+    took = time.monotonic() - began
+
+    # Then: enqueue() returned at once; the row is committed; a warning says so
+    assert took < 20, f"enqueue took {took:.1f} s"
+    assert Job.objects.get(pk=result.id).state == JobState.QUEUED
+    warnings = [r.getMessage() for r in app_log if r.levelno == logging.WARNING]
+    assert any("safe in the database" in message for message in warnings), warnings
+
+    # When: the node is back (empty) and reconcile finds the rows old enough
+    restart_node(cluster, victim)
+    Job.objects.filter(pk__in=[warm.id, result.id]).update(
+        updated_at=timezone.now() - timedelta(hours=1))
+    report = Sweep(backend).reconcile()  # type: ignore[arg-type]
+
+    # Then: it pushed both jobs the restart lost, and a worker can claim them
+    assert report.pushed == 2
+    claimed = backend.broker.claim("default", count=10, lease_ms=60_000).jobs
+    assert sorted(job.id for job in claimed) == sorted([warm.id, result.id])
+
+
+@pytest.mark.crash
+def test_a_stopped_cluster_master_delays_enqueue_but_never_raises(
+    healthy_cluster_after: RedisClusterHarness, cluster_env: dict[str, str]
+) -> None:
+    # Given: the master that owns the queue's slot SIGSTOPped for 3 s (shorter
+    # than the client's 10 s socket timeout: a hung node, not a refusing one)
+    cluster = healthy_cluster_after
+    backend = task_backends["default"]
+    demo.add.enqueue(1, 1)
+    node = cluster.processes[queue_master(cluster)]
+    node.send_signal(signal.SIGSTOP)
+    resume = threading.Timer(3.0, node.send_signal, args=(signal.SIGCONT,))
+    resume.start()
+    try:
+        # When: a job is enqueued in a transaction that commits
+        began = time.monotonic()
+        with transaction.atomic():
+            result = demo.add.enqueue(2, 3)
+        took = time.monotonic() - began
+    finally:
+        resume.join()
+
+    # Then: the commit hook waited for the node, returned normally and pushed the job
+    assert took < 20, f"enqueue took {took:.1f} s"
+    assert Job.objects.get(pk=result.id).state == JobState.QUEUED
+    claimed = backend.broker.claim("default", count=10, lease_ms=60_000).jobs
+    assert result.id in {job.id for job in claimed}
+
+
+@pytest.mark.crash
+@pytest.mark.parametrize("fault", ["stop", "kill"])
+def test_a_worker_outlives_its_queue_master_stopped_or_killed_for_seconds(
+    healthy_cluster_after: RedisClusterHarness, cluster_env: dict[str, str],
+    processes: Processes, fault: str,
+) -> None:
+    # Given: a worker on the cluster that has run a job
+    cluster = healthy_cluster_after
+    worker = processes.worker(cluster_env, "--concurrency", "2")
+    first = demo.add.enqueue(1, 1)
+    wait_until(lambda: finished([first.id]), timeout=30, message="the first job")
+
+    # When: the master that owns the queue's slot is stopped (SIGSTOP) or
+    # killed for 3 s, then resumed (SIGCONT) or started again empty
+    victim = queue_master(cluster)
+    if fault == "stop":
+        cluster.processes[victim].send_signal(signal.SIGSTOP)
+        time.sleep(3.0)
+        cluster.processes[victim].send_signal(signal.SIGCONT)
+    else:
+        cluster.kill(victim)
+        time.sleep(3.0)
+        restart_node(cluster, victim)
+    assert worker.poll() is None, processes.log(worker)
+
+    # Then: the worker is alive and runs a job enqueued after the fault
+    resumed = time.monotonic()
+    later = demo.add.enqueue(2, 3)
+    wait_until(lambda: finished([later.id]), timeout=60, message="a job after the fault")
+    took = time.monotonic() - resumed
+    assert demo.add.get_result(later.id).return_value == 5
+    assert took < 20, f"the job after the fault took {took:.1f} s"
+    log = processes.log(worker)
+    assert worker.poll() is None and "died" not in log, log
+    if fault == "kill":
+        # the worker did see the node refuse, and recovered
+        assert "Redis is unavailable" in log and "Redis is back" in log, log
+    assert processes.stop(worker) == 0, log
