@@ -3,6 +3,11 @@
 The backend is thin: it validates and enqueues (a database row in the
 caller's transaction, then a Redis push on commit), and reads results from
 the mirror. Running jobs is the worker's business (``worker.py``).
+
+Nothing here imports the models (``models``, ``mirror``) at module level:
+Django loads this module for ``manage.py check`` even when ``reliable_jobs``
+is missing from INSTALLED_APPS, and a model import would then be a
+RuntimeError traceback instead of the E009 that says how to fix it.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from datetime import datetime
 from functools import cached_property
 from typing import Any
 
+from django.apps import apps
 from django.conf import settings
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
@@ -29,9 +35,10 @@ from django.tasks.signals import task_enqueued
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
-from . import conf, mirror, payload
+from . import conf, payload
 from .broker import REDIS_ERRORS, Broker, NewJob
 from .keys import is_valid_queue_name
+from .reachability import ensure_reachable
 from .tasks import ReliableTask, lookup
 
 logger = logging.getLogger("reliable_jobs")
@@ -70,6 +77,16 @@ class ReliableJobsBackend(BaseTaskBackend):
         ConnectionDoesNotExist from the first enqueue.
         """
         problems = list(self.config.problems)
+        if apps.apps_ready and not apps.is_installed("reliable_jobs"):
+            # Here, not only in checks: Django runs the task checks only when
+            # django.tasks was imported before `check` started, so the first
+            # enqueue may be where this is seen, and it must say the fix
+            # rather than fail on a model import.
+            problems.append((
+                "reliable_jobs.E009",
+                "'reliable_jobs' is not in INSTALLED_APPS: add it, so that its models and "
+                "commands exist.",
+            ))
         if self.config.DATABASE not in settings.DATABASES:
             problems.append((
                 "reliable_jobs.E008",
@@ -96,8 +113,11 @@ class ReliableJobsBackend(BaseTaskBackend):
 
     def enqueue(self, task: Task, args: Sequence[Any], kwargs: dict[str, Any]) -> TaskResult:
         """Write the job row now and push it to Redis when the transaction commits."""
-        self._raise_if_misconfigured()
+        self._raise_if_misconfigured()  # first: E009 before any model import
         self.validate_task(task)
+        ensure_reachable(task)
+        from . import mirror  # not at module level: see the module docstring
+
         text = payload.encode(task.module_path, tuple(args), dict(kwargs),
                               max_bytes=self.config.MAX_PAYLOAD_BYTES)
         now = timezone.now()
@@ -118,6 +138,9 @@ class ReliableJobsBackend(BaseTaskBackend):
         """Enqueue many calls of one task: one bulk insert, one script call per 1,000."""
         self._raise_if_misconfigured()
         self.validate_task(task)
+        ensure_reachable(task)
+        from . import mirror  # see enqueue()
+
         now = timezone.now()
         max_attempts = self.task_option(task, "max_attempts")
         due_ms = _epoch_ms(task.run_after)

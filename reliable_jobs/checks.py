@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from django.apps import apps
 from django.core import checks
 from redis.exceptions import ResponseError
 
@@ -59,12 +58,6 @@ def check_backend(backend: ReliableJobsBackend) -> list[checks.CheckMessage]:
             f"{where}: OPTIONS['SHARDS'] names {queue!r}, which is not in QUEUES.",
             hint="Shard a queue the backend serves, or remove the entry.",
             id="reliable_jobs.E010",
-        ))
-    if not apps.is_installed("reliable_jobs"):
-        messages.append(checks.Error(
-            f"{where} uses reliable_jobs, but 'reliable_jobs' is not in INSTALLED_APPS.",
-            hint="Add 'reliable_jobs' to INSTALLED_APPS so its models and commands exist.",
-            id="reliable_jobs.E009",
         ))
     options = backend.options
     if isinstance(options, dict) and options.get("REDIS_URL") in (None, ""):
