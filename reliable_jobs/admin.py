@@ -18,7 +18,6 @@ from datetime import datetime
 from typing import Any
 
 from django.contrib import admin, messages
-from django.contrib.admin import ActionLocation
 from django.core.exceptions import PermissionDenied
 from django.db.models import QuerySet
 from django.db.models.expressions import Combinable
@@ -32,6 +31,7 @@ from django.utils.translation import gettext_lazy as _
 
 from . import changelist, dashboard, staff
 from .broker import REDIS_ERRORS
+from .compat import admin_action
 from .models import Attempt, Job
 
 #: Jobs one action handles at most per click (each is a transaction and a
@@ -39,7 +39,6 @@ from .models import Attempt, Job
 ACTION_LIMIT = 1_000
 #: Refusals listed one by one in the admin message before "and N more".
 MESSAGES_LISTED = 10
-BOTH = [ActionLocation.CHANGE_LIST, ActionLocation.CHANGE_FORM]
 
 
 class ReadOnlyMixin:
@@ -247,23 +246,23 @@ class JobAdmin(ReadOnlyMixin, admin.ModelAdmin):  # type: ignore[type-arg]  # as
     def has_requeue_permission(self, request: HttpRequest) -> bool:
         return request.user.has_perm(f"{self.opts.app_label}.requeue_job")
 
-    @admin.action(description=_("Retry (dead jobs: queue again with a fresh attempt budget)"),
+    @admin_action(description=_("Retry (dead jobs: queue again with a fresh attempt budget)"),
                   description_plural=_("Retry selected dead jobs"),
-                  permissions=["retry"], location=BOTH)
+                  permissions=["retry"])
     def retry_jobs(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
         self._act(request, queryset, staff.retry,
                   _("%(n)s dead jobs are queued again, each with a fresh attempt budget."))
 
-    @admin.action(description=_("Cancel (queued or scheduled jobs that have not started)"),
+    @admin_action(description=_("Cancel (queued or scheduled jobs that have not started)"),
                   description_plural=_("Cancel selected jobs that have not started"),
-                  permissions=["cancel"], location=BOTH)
+                  permissions=["cancel"])
     def cancel_jobs(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
         self._act(request, queryset, staff.cancel,
                   _("Cancelled %(n)s jobs that had not started: they will not run."))
 
-    @admin.action(description=_("Requeue (run a scheduled job now, or a cancelled one again)"),
+    @admin_action(description=_("Requeue (run a scheduled job now, or a cancelled one again)"),
                   description_plural=_("Requeue selected scheduled or cancelled jobs"),
-                  permissions=["requeue"], location=BOTH)
+                  permissions=["requeue"])
     def requeue_jobs(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
         self._act(request, queryset, staff.requeue, _("Requeued %(n)s jobs: they are queued now."))
 

@@ -27,16 +27,20 @@ from django.conf import settings
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 from django.db import transaction
-from django.tasks import TaskResult, TaskResultStatus
-from django.tasks.backends.base import BaseTaskBackend
-from django.tasks.base import Task, TaskError
-from django.tasks.exceptions import TaskResultDoesNotExist
-from django.tasks.signals import task_enqueued
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
 from . import conf, payload
 from .broker import REDIS_ERRORS, Broker, NewJob
+from .compat import (
+    BaseTaskBackend,
+    Task,
+    TaskError,
+    TaskResult,
+    TaskResultDoesNotExist,
+    TaskResultStatus,
+    task_enqueued,
+)
 from .keys import is_valid_queue_name
 from .reachability import ensure_reachable
 from .tasks import ReliableTask, lookup
@@ -187,7 +191,7 @@ class ReliableJobsBackend(BaseTaskBackend):
     def validate_task(self, task: Task) -> None:
         super().validate_task(task)
         if not is_valid_queue_name(task.queue_name):
-            from django.tasks.exceptions import InvalidTask
+            from .compat import InvalidTask
 
             raise InvalidTask(
                 f"Queue name {task.queue_name!r} cannot be used in Redis keys: use 1 to 100 "

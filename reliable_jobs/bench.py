@@ -13,9 +13,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from django.tasks import Task
-
 from .backend import ReliableJobsBackend
+from .compat import Task
 from .models import Job
 from .worker import Worker
 

@@ -30,9 +30,10 @@ from django.core.paginator import Paginator
 from django.db import connections
 from django.db.models import Field, Model, Q, QuerySet
 from django.http import HttpRequest
-from django.tasks import task_backends
 from django.utils import timezone
 from django.utils.translation import gettext_lazy as _
+
+from .compat import task_backends
 
 if TYPE_CHECKING:
     from .backend import ReliableJobsBackend

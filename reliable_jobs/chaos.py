@@ -53,10 +53,10 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 from django.conf import settings
 from django.db import connections
-from django.tasks import Task
 from django.utils import timezone
 
 from . import chaos_ledger
+from .compat import Task
 from .models import Attempt, AttemptOutcome, Job, JobState
 from .netfaults import CuttableProxy
 from .supervisor import signal_when_parent_dies

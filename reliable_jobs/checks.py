@@ -109,9 +109,8 @@ def check_redis_eviction(app_configs: Any = None, **kwargs: Any) -> list[checks.
     and a refused command would fill the ACL log); a user without CONFIG
     rights is not warned, the policy cannot be read.
     """
-    from django.tasks import task_backends
-
     from .backend import ReliableJobsBackend
+    from .compat import task_backends
 
     messages: list[checks.CheckMessage] = []
     for backend in task_backends.all():

@@ -8,7 +8,7 @@ here. :func:`class_path` builds the path from the class, never by hand.
 
 from __future__ import annotations
 
-from django.tasks.exceptions import InvalidTask
+from .compat import InvalidTask
 
 
 class RetryLater(Exception):

@@ -152,10 +152,8 @@ def _child_main(sender: Connection, payload_text: str, job_id: str, attempt: int
     # Should that fail (not Linux), SIGALRM's default action still ends this
     # child a second after its limit.
     signal.alarm(math.ceil(timeout_s) + 1)
-    from django.tasks import TaskContext, TaskResult, TaskResultStatus
-    from django.utils.json import normalize_json
-
     from . import payload
+    from .compat import TaskContext, TaskResult, TaskResultStatus, normalize_json
     from .tasks import lookup
 
     try:

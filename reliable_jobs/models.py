@@ -10,9 +10,9 @@ from __future__ import annotations
 import uuid
 
 from django.db import models
-from django.tasks import TaskResultStatus
 from django.utils.translation import gettext_lazy as _
 
+from .compat import TaskResultStatus
 from .keys import shard_queue
 
 

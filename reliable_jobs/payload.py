@@ -17,8 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from django.tasks.exceptions import InvalidTask
-
+from .compat import InvalidTask
 from .exceptions import InvalidJobArguments, MalformedPayload, PayloadTooLarge
 
 _encoder = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))

@@ -19,9 +19,9 @@ from typing import Any
 from django.apps import apps
 from django.core.signals import setting_changed
 from django.dispatch import receiver
-from django.tasks import Task
-from django.tasks.exceptions import InvalidTask
 from django.utils.module_loading import autodiscover_modules
+
+from .compat import InvalidTask, Task
 
 _registry: dict[str, Task] = {}
 #: Paths lookup() already found allowed.

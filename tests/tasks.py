@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Any
 
-from django.tasks import TaskContext, task
+from reliable_jobs.compat import TaskContext, task
 
 
 @task()

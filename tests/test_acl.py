@@ -25,8 +25,8 @@ from urllib.parse import urlsplit
 
 import pytest
 import redis
-from django.tasks import TaskResultStatus
 
+from reliable_jobs.compat import TaskResultStatus
 from reliable_jobs.keys import QueueKeys
 from reliable_jobs.models import Job, JobState
 from testproject.demo import tasks as demo

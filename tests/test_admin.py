@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 from django.contrib.auth.models import Permission
-from django.tasks import task_backends
 from django.test import Client
 from django.utils import timezone
 
 from reliable_jobs import admin, changelist, mirror
 from reliable_jobs.backend import ReliableJobsBackend
+from reliable_jobs.compat import task_backends
 from reliable_jobs.mirror import AttemptRecord
 from reliable_jobs.models import Attempt, AttemptOutcome, Job, JobState
 from testproject.demo import tasks as demo

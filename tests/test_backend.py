@@ -21,12 +21,19 @@ import redis
 from asgiref.sync import async_to_sync
 from django.db import transaction
 from django.db.models import F
-from django.tasks import TaskResult, TaskResultStatus, task, task_backends
-from django.tasks.exceptions import InvalidTask, TaskResultDoesNotExist, TaskResultMismatch
-from django.tasks.signals import task_enqueued
 from django.utils import timezone
 
 from reliable_jobs.backend import ReliableJobsBackend
+from reliable_jobs.compat import (
+    InvalidTask,
+    TaskResult,
+    TaskResultDoesNotExist,
+    TaskResultMismatch,
+    TaskResultStatus,
+    task,
+    task_backends,
+    task_enqueued,
+)
 from reliable_jobs.exceptions import InvalidJobArguments, PayloadTooLarge
 from reliable_jobs.models import Attempt, AttemptOutcome, Job, JobState
 from reliable_jobs.sweep import Sweep

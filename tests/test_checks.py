@@ -17,8 +17,8 @@ from django.core.checks import run_checks
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management import call_command
 from django.core.management.base import SystemCheckError
-from django.tasks import task_backends
 
+from reliable_jobs.compat import task_backends
 from reliable_jobs.models import Job
 from tests import tasks as test_tasks
 

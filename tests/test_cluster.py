@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 import redis
 from django.db import transaction
-from django.tasks import task_backends
 from django.utils import timezone
 from redis.crc import key_slot
 
 from reliable_jobs.broker import Broker, NewJob
+from reliable_jobs.compat import task_backends
 from reliable_jobs.keys import QueueKeys
 from reliable_jobs.models import Job, JobState
 from reliable_jobs.sweep import Sweep

@@ -12,11 +12,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from django.tasks import TaskResultStatus
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
 from reliable_jobs import exceptions, mirror
+from reliable_jobs.compat import TaskResultStatus
 from reliable_jobs.mirror import AttemptRecord
 from reliable_jobs.models import JobState
 from testproject.demo import tasks as demo

@@ -17,11 +17,11 @@ import sys
 from typing import Any
 
 import pytest
-from django.tasks.exceptions import InvalidTask
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from reliable_jobs import payload, tasks
+from reliable_jobs.compat import InvalidTask
 from reliable_jobs.exceptions import InvalidJobArguments, MalformedPayload, PayloadTooLarge
 
 FUZZ = settings(max_examples=400, deadline=None, derandomize=True, database=None,

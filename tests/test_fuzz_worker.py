@@ -26,12 +26,12 @@ from typing import Any
 
 import pytest
 import redis
-from django.tasks import task_backends
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from reliable_jobs import payload
 from reliable_jobs.broker import NewJob
+from reliable_jobs.compat import task_backends
 from reliable_jobs.keys import QueueKeys
 from testproject.demo import tasks as demo
 

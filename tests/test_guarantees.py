@@ -20,11 +20,11 @@ from typing import Any
 import pytest
 import redis
 from django.db import close_old_connections, connection, transaction
-from django.tasks import task_backends
 from django.utils import timezone
 
 from reliable_jobs import mirror
 from reliable_jobs.broker import Broker, ClaimedJob
+from reliable_jobs.compat import task_backends
 from reliable_jobs.keys import QueueKeys
 from reliable_jobs.mirror import AttemptRecord
 from reliable_jobs.models import Attempt, AttemptOutcome, Job, JobState

@@ -14,9 +14,9 @@ from collections import Counter
 from typing import Any
 
 import pytest
-from django.tasks import task_backends
 from django.utils import timezone
 
+from reliable_jobs.compat import task_backends
 from reliable_jobs.models import Attempt, AttemptOutcome, Job, JobState
 from reliable_jobs.netfaults import CuttableProxy
 from testproject.demo import tasks as demo

@@ -10,9 +10,9 @@ import uuid
 from typing import Any
 
 import pytest
-from django.tasks.exceptions import InvalidTask
 
 from reliable_jobs import payload, retry
+from reliable_jobs.compat import InvalidTask
 from reliable_jobs.exceptions import (
     InvalidJobArguments,
     MalformedPayload,

@@ -28,8 +28,6 @@ from django.core.checks import run_checks
 from django.core.management import call_command
 from django.core.management.utils import get_random_secret_key
 from django.db import connection
-from django.tasks import TaskResultStatus, task, task_backends
-from django.tasks.exceptions import InvalidTask
 from django.views.debug import ExceptionReporter, SafeExceptionReporterFilter
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -37,6 +35,7 @@ from redis.crc import key_slot
 
 from reliable_jobs import conf, tasks
 from reliable_jobs.broker import NewJob
+from reliable_jobs.compat import InvalidTask, TaskResultStatus, task, task_backends
 from reliable_jobs.keys import QueueKeys, worker_key, workers_index
 from reliable_jobs.models import Attempt, Job, JobState
 from testproject.demo import tasks as demo

@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 import redis
-from django.tasks import TaskResultStatus, task_backends
 from django.utils import timezone
 
 from reliable_jobs import mirror
 from reliable_jobs.broker import NewJob
+from reliable_jobs.compat import TaskResultStatus, task_backends
 from reliable_jobs.keys import QueueKeys
 from reliable_jobs.mirror import AttemptRecord
 from reliable_jobs.models import Attempt, Job, JobState

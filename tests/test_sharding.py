@@ -6,11 +6,11 @@ from typing import Any
 
 import pytest
 import redis
-from django.tasks import task_backends
 from redis.crc import key_slot
 
 from reliable_jobs import broker as broker_module
 from reliable_jobs.broker import NewJob
+from reliable_jobs.compat import task_backends
 from reliable_jobs.keys import QueueKeys, shard_queue, shards_index
 from reliable_jobs.models import Job, JobState
 from testproject.demo import tasks as demo

@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 import redis
-from django.tasks import TaskResultStatus, task_backends
 
 from reliable_jobs.backend import ReliableJobsBackend
+from reliable_jobs.compat import TaskResultStatus, task_backends
 from reliable_jobs.keys import QueueKeys
 from reliable_jobs.models import Attempt, AttemptOutcome, Job, JobState
 from testproject.demo import tasks as demo

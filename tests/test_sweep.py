@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 import redis
-from django.tasks import task_backends
 from django.utils import timezone
 
 from reliable_jobs import mirror
+from reliable_jobs.compat import task_backends
 from reliable_jobs.keys import QueueKeys
 from reliable_jobs.mirror import AttemptRecord
 from reliable_jobs.models import AttemptOutcome, Job, JobState

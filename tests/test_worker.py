@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 import redis
-from django.tasks import TaskResultStatus, task_backends
 
+from reliable_jobs.compat import TaskResultStatus, task_backends
 from reliable_jobs.keys import QueueKeys
 from reliable_jobs.models import Attempt, AttemptOutcome, Job, JobState
 from testproject.demo import tasks as demo

@@ -16,13 +16,18 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from django.db import close_old_connections
-from django.tasks import TaskContext, TaskResult, TaskResultStatus
-from django.tasks.signals import task_finished, task_started
 from django.utils import timezone
-from django.utils.json import normalize_json
 
 from .. import payload, retry
 from ..broker import REDIS_ERRORS, ClaimedJob
+from ..compat import (
+    TaskContext,
+    TaskResult,
+    TaskResultStatus,
+    normalize_json,
+    task_finished,
+    task_started,
+)
 from ..exceptions import JobTimeout, UnknownTask, class_path
 from ..faults import crash_point
 from ..handoff import JobBuffer, StartMarks

@@ -9,9 +9,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from django.tasks import TaskContext, task
-
 from reliable_jobs.chaos_ledger import ledger_run
+from reliable_jobs.compat import TaskContext, task
 from reliable_jobs.exceptions import PermanentFailure, RetryLater
 
 

@@ -7,11 +7,15 @@ from typing import Any
 from django.db import transaction
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import render
-from django.tasks import TaskResult, TaskResultStatus
-from django.tasks.exceptions import TaskResultDoesNotExist, TaskResultMismatch
 from django.urls import reverse
 from django.views.decorators.http import require_GET, require_POST
 
+from reliable_jobs.compat import (
+    TaskResult,
+    TaskResultDoesNotExist,
+    TaskResultMismatch,
+    TaskResultStatus,
+)
 from testproject.demo.tasks import add
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
-from django.tasks import DEFAULT_TASK_BACKEND_ALIAS
 from django.utils import timezone
 
 from reliable_jobs import dashboard
+from reliable_jobs.compat import DEFAULT_TASK_BACKEND_ALIAS
 from reliable_jobs.conf import mask_password
 from reliable_jobs.management.commands.runworker import get_backend
 

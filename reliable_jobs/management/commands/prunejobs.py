@@ -7,10 +7,10 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DatabaseError
-from django.tasks import DEFAULT_TASK_BACKEND_ALIAS
 
 from reliable_jobs import retention
 from reliable_jobs.broker import REDIS_ERRORS
+from reliable_jobs.compat import DEFAULT_TASK_BACKEND_ALIAS
 from reliable_jobs.management.commands.runworker import get_backend
 
 

@@ -9,9 +9,9 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DatabaseError, connections
-from django.tasks import DEFAULT_TASK_BACKEND_ALIAS
 
 from reliable_jobs.broker import REDIS_ERRORS
+from reliable_jobs.compat import DEFAULT_TASK_BACKEND_ALIAS
 from reliable_jobs.management.commands.runworker import configure_logging, get_backend
 from reliable_jobs.sweep import Sweep
 

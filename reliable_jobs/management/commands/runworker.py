@@ -7,10 +7,14 @@ import sys
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
-from django.tasks import DEFAULT_TASK_BACKEND_ALIAS, task_backends
-from django.tasks.exceptions import InvalidTaskBackend
 
 from reliable_jobs.backend import ReliableJobsBackend
+from reliable_jobs.compat import (
+    DEFAULT_TASK_BACKEND_ALIAS,
+    TASKS_LOGGER,
+    InvalidTaskBackend,
+    task_backends,
+)
 from reliable_jobs.supervisor import Supervisor, runworker_command_line
 from reliable_jobs.worker import Worker, default_worker_id
 
@@ -33,12 +37,13 @@ def get_backend(alias: str) -> ReliableJobsBackend:
 def configure_logging(verbosity: int) -> None:
     """Map ``-v`` onto the reliable_jobs loggers, printing to stderr.
 
-    Django's own ``django.tasks`` logger repeats our per-job line with less
-    in it (and costs about 20 us a job); it speaks only from ``-v 2`` on.
+    Django's own ``django.tasks`` logger (``django_tasks`` with the backport)
+    repeats our per-job line with less in it (and costs about 20 us a job); it
+    speaks only from ``-v 2`` on.
     """
     logger = logging.getLogger("reliable_jobs")
     logger.setLevel(VERBOSITY_LEVELS.get(verbosity, logging.DEBUG))
-    logging.getLogger("django.tasks").setLevel(
+    logging.getLogger(TASKS_LOGGER).setLevel(
         logging.DEBUG if verbosity >= 2 else logging.WARNING)
     if not logger.handlers and not logging.getLogger().handlers:
         handler = logging.StreamHandler(sys.stderr)
@@ -56,7 +61,7 @@ def add_queue_and_backend_arguments(parser: CommandParser) -> None:
 
 def quiet_logging() -> None:
     """Silence per-job log lines for commands that measure or print a table."""
-    for name in ("reliable_jobs", "django.tasks"):
+    for name in ("reliable_jobs", TASKS_LOGGER):
         logging.getLogger(name).setLevel(logging.WARNING)
 
 

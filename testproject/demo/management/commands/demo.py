@@ -12,8 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
-from django.tasks import TaskResult, TaskResultStatus
 
+from reliable_jobs.compat import TaskResult, TaskResultStatus
 from testproject.demo.tasks import add, always_fail, fail_times, noop, sleep_for
 
 #: Pause between polling rounds, in seconds.

@@ -1,0 +1,183 @@
+"""The Tasks API on every supported Django: the one place that imports it.
+
+Django 6.0 and later ship ``django.tasks``; on Django 5.2 LTS the
+``django-tasks`` backport (``pip install 'reliable-jobs[django52]'``)
+provides the same API as ``django_tasks``, with two exceptions renamed
+(``InvalidTaskError``, ``InvalidTaskBackendError``) and
+``normalize_json`` in ``django_tasks.utils`` instead of
+``django.utils.json``. Django 6.0's ``task()`` takes no extra keyword
+arguments, so here ``task`` is 6.1's there: use ``reliable_jobs.compat.task``
+for ``@task(max_attempts=..., timeout_ms=...)`` on 6.0. Everything in
+reliable_jobs (and its test project) imports these names from here, never
+from either package.
+
+With the backport, ``django_tasks`` need not be in ``INSTALLED_APPS``:
+importing this module connects what its app would (the ``TASKS``
+``setting_changed`` receiver, the backends' system checks).
+
+mypy checks against ``django.tasks`` (the newest Django); the backport
+mirrors its API.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import django
+
+if TYPE_CHECKING:
+    from django.utils.functional import _StrOrPromise as StrOrPromise
+
+_Action = TypeVar("_Action", bound=Callable[..., Any])
+
+__all__ = [
+    "DEFAULT_TASK_BACKEND_ALIAS",
+    "DEFAULT_TASK_QUEUE_NAME",
+    "TASKS_LOGGER",
+    "USING_BACKPORT",
+    "BaseTaskBackend",
+    "InvalidTask",
+    "InvalidTaskBackend",
+    "Task",
+    "TaskContext",
+    "TaskError",
+    "TaskResult",
+    "TaskResultDoesNotExist",
+    "TaskResultMismatch",
+    "TaskResultStatus",
+    "admin_action",
+    "normalize_json",
+    "task",
+    "task_backends",
+    "task_enqueued",
+    "task_finished",
+    "task_started",
+]
+
+if TYPE_CHECKING:
+    from django.tasks import (
+        DEFAULT_TASK_BACKEND_ALIAS,
+        DEFAULT_TASK_QUEUE_NAME,
+        Task,
+        TaskContext,
+        TaskResult,
+        TaskResultStatus,
+        task,
+        task_backends,
+    )
+    from django.tasks.backends.base import BaseTaskBackend
+    from django.tasks.base import TaskError
+    from django.tasks.exceptions import (
+        InvalidTask,
+        InvalidTaskBackend,
+        TaskResultDoesNotExist,
+        TaskResultMismatch,
+    )
+    from django.tasks.signals import task_enqueued, task_finished, task_started
+    from django.utils.json import normalize_json
+
+    USING_BACKPORT: bool
+    TASKS_LOGGER: str
+else:
+    try:
+        from django.tasks import (
+            DEFAULT_TASK_BACKEND_ALIAS,
+            DEFAULT_TASK_QUEUE_NAME,
+            Task,
+            TaskContext,
+            TaskResult,
+            TaskResultStatus,
+            task,
+            task_backends,
+        )
+    except ImportError:  # Django 5.2: the django-tasks backport.
+        try:
+            import django_tasks  # noqa: F401
+        except ImportError as exc:
+            from django.core.exceptions import ImproperlyConfigured
+
+            raise ImproperlyConfigured(
+                "reliable_jobs needs the Tasks framework: Django >= 6.0, or on Django 5.2 "
+                "the django-tasks backport (pip install 'reliable-jobs[django52]')."
+            ) from exc
+        from django_tasks import (
+            DEFAULT_TASK_BACKEND_ALIAS,
+            DEFAULT_TASK_QUEUE_NAME,
+            TaskContext,
+            TaskResult,
+            TaskResultStatus,
+            task,
+            task_backends,
+        )
+        from django_tasks import checks as _checks  # noqa: F401 - registers the backends' checks
+        from django_tasks.backends.base import BaseTaskBackend
+        from django_tasks.base import Task, TaskError
+        from django_tasks.exceptions import InvalidTaskBackendError as InvalidTaskBackend
+        from django_tasks.exceptions import InvalidTaskError as InvalidTask
+        from django_tasks.exceptions import TaskResultDoesNotExist, TaskResultMismatch
+        from django_tasks.signals import task_enqueued, task_finished, task_started
+        from django_tasks.utils import normalize_json
+
+        USING_BACKPORT = True
+        #: The logger the Tasks framework logs each task's start and end to.
+        TASKS_LOGGER = "django_tasks"
+    else:
+        from django.tasks.backends.base import BaseTaskBackend
+        from django.tasks.base import TaskError
+        from django.tasks.exceptions import (
+            InvalidTask,
+            InvalidTaskBackend,
+            TaskResultDoesNotExist,
+            TaskResultMismatch,
+        )
+        from django.tasks.signals import task_enqueued, task_finished, task_started
+        from django.utils.json import normalize_json
+
+        USING_BACKPORT = False
+        TASKS_LOGGER = "django.tasks"
+
+        if django.VERSION < (6, 1):
+            # Django 6.0's task() takes no extra keyword arguments; 6.1's (and the
+            # backport's) passes them to the backend's task_class, which is how
+            # @task(max_attempts=..., timeout_ms=...) reaches ReliableTask.
+            from django.tasks.base import DEFAULT_TASK_PRIORITY
+
+            def task(function=None, *, priority=DEFAULT_TASK_PRIORITY,
+                     queue_name=DEFAULT_TASK_QUEUE_NAME, backend=DEFAULT_TASK_BACKEND_ALIAS,
+                     takes_context=False, **kwargs):
+                """Django 6.1's ``task()`` on Django 6.0."""
+                if "run_after" in kwargs:
+                    raise TypeError(
+                        "run_after cannot be defined statically with the @task decorator. "
+                        "Use .using(run_after=...) to set it dynamically."
+                    )
+
+                def wrapper(f):
+                    return task_backends[backend].task_class(
+                        func=f, priority=priority, queue_name=queue_name, backend=backend,
+                        takes_context=takes_context, run_after=None, **kwargs,
+                    )
+
+                return wrapper(function) if function else wrapper
+
+
+def admin_action(
+    *, description: StrOrPromise, description_plural: StrOrPromise, permissions: list[str],
+) -> Callable[[_Action], _Action]:
+    """``@admin.action`` offered on the changelist and, from Django 6.1, the change form.
+
+    Django 6.1 added admin actions on an object's page (``location``) and
+    ``description_plural``; earlier versions get the changelist action with
+    its singular description.
+    """
+    from django.contrib import admin
+
+    if django.VERSION < (6, 1):
+        return admin.action(description=description, permissions=permissions)
+    from django.contrib.admin import ActionLocation
+
+    return admin.action(
+        description=description, description_plural=description_plural,
+        permissions=permissions, location=[ActionLocation.CHANGE_LIST, ActionLocation.CHANGE_FORM],
+    )
