@@ -39,12 +39,15 @@ def configure_logging(verbosity: int) -> None:
 
     Django's own ``django.tasks`` logger (``django_tasks`` with the backport)
     repeats our per-job line with less in it (and costs about 20 us a job); it
-    speaks only from ``-v 2`` on.
+    speaks only from ``-v 2`` on. Below that it is silenced outright, not
+    just held to WARNING: it logs every failed attempt at ERROR with the
+    full traceback, beside our one line that already names the error (the
+    traceback is kept in the job's attempt, shown in the admin).
     """
     logger = logging.getLogger("reliable_jobs")
     logger.setLevel(VERBOSITY_LEVELS.get(verbosity, logging.DEBUG))
     logging.getLogger(TASKS_LOGGER).setLevel(
-        logging.DEBUG if verbosity >= 2 else logging.WARNING)
+        logging.DEBUG if verbosity >= 2 else logging.CRITICAL + 1)
     if not logger.handlers and not logging.getLogger().handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
