@@ -21,7 +21,16 @@ class Command(BaseCommand):
         "Recover jobs whose worker died (expired leases), promote due scheduled jobs, and "
         "push again every unfinished job Redis lost (reconcile with the database). Run one "
         "pass from cron every minute, or keep it running with --interval; workers also "
-        "recover on their own, so this is the safety net, and the way to rebuild Redis."
+        "recover on their own, so this is the safety net, and the way to rebuild Redis. "
+        "Each pass prints how many jobs it: requeued (lease expired with attempts left, an "
+        "attempt that never started, or an orphan's first lease ran out); dead (lease "
+        "expired with no attempt left); orphans (ids found claimed but never leased, given "
+        "a first lease); garbage (ids with no or a damaged job hash, moved to dead); "
+        "promoted (scheduled jobs now due); settled (expired attempts whose outcome the "
+        "database already had, finished as it says and not run again); checked (unfinished "
+        "rows past RECONCILE_GRACE_MS that reconcile compared with Redis); pushed (of those, "
+        "jobs Redis had lost, rebuilt and pushed again); buried (of those, deaths Redis "
+        "recorded that the database lacked)."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
