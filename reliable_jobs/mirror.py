@@ -4,11 +4,20 @@ Writes are fenced like the scripts, by generation and attempt number: a row
 is moved only by a record of the row's generation whose attempt is at least
 the row's, so a stale worker's late write (an older attempt, or any attempt
 from before the job was rebuilt) never overwrites a newer one. Outcomes are
-final: a record that says an attempt's lease expired or was released never
-overwrites that attempt's recorded success or failure, nor the terminal
-state it gave the job, and no worker record moves a cancelled job. Worker
-writes arrive in batches (one transaction per batch); a failed batch is
-retried by the caller, never dropped, and the Redis ack waits for it.
+final:
+
+- an attempt's own outcome (succeeded, failed, timed out) is never
+  overwritten by a record that its lease expired or it was released;
+- a job that ended (succeeded or dead) is moved only by a later attempt that
+  succeeded (Redis ran it again after a lease expiry), never back to
+  queued, scheduled or running, and never from succeeded to dead;
+- an attempt recorded as lease_expired (its worker lost the job) does not
+  move the job when its late result arrives: the history keeps the result
+  in the attempt's error, the job follows the attempt that holds it now;
+- no worker record moves a cancelled job.
+
+Worker writes arrive in batches (one transaction per batch); a failed batch
+is retried by the caller, never dropped, and the Redis ack waits for it.
 """
 
 from __future__ import annotations
@@ -150,8 +159,14 @@ def record(using: str, records: Iterable[AttemptRecord]) -> None:
             if known.get(rec.job_id) == rec.gen:
                 fenced = jobs.filter(pk=rec.job_id, generation=rec.gen, attempts__lte=rec.attempt
                                      ).exclude(state=JobState.CANCELLED)
-                if rec.outcome not in RAN_OUTCOMES:
-                    fenced = fenced.exclude(state__in=TERMINAL_STATES, attempts=rec.attempt)
+                if rec.job_state != JobState.SUCCEEDED:
+                    fenced = fenced.exclude(state__in=TERMINAL_STATES)
+                else:
+                    fenced = fenced.exclude(state__in=TERMINAL_STATES, attempts__gte=rec.attempt)
+                if rec.outcome != AttemptOutcome.LEASE_EXPIRED and Attempt.objects.using(
+                        using).filter(job_id=rec.job_id, number=rec.attempt,
+                                      outcome=AttemptOutcome.LEASE_EXPIRED).exists():
+                    continue  # the worker lost this attempt: its late result is not the job's
                 fenced.update(**_job_changes(rec, now))
         # Like _PG_CLOSE_ABANDONED: every retried job's newest record, whatever its generation.
         for retried in _chunks([rec for rec in newest.values() if rec.attempt > 1]):
@@ -280,8 +295,11 @@ FROM unnest({_column("uuid")}, {_column("int")}, {_column("text")},
           retry_at)
 WHERE j.id = v.id AND j.generation = v.gen AND j.attempts <= v.attempt
   AND j.state <> 'cancelled'
-  AND NOT (j.state IN ('succeeded', 'dead') AND j.attempts = v.attempt
-           AND v.outcome NOT IN {_RAN})
+  AND (j.state NOT IN ('succeeded', 'dead')
+       OR (v.state = 'succeeded' AND v.attempt > j.attempts))
+  AND (v.outcome = 'lease_expired' OR NOT EXISTS (
+       SELECT 1 FROM {Attempt._meta.db_table} a
+       WHERE a.job_id = v.id AND a.number = v.attempt AND a.outcome = 'lease_expired'))
 """
 
 
@@ -412,16 +430,36 @@ def reconcile_candidates(
     return list(rows.order_by("pk")[:limit])
 
 
-def finished_attempts(using: str, job_ids: Sequence[str]
-                      ) -> list[tuple[str, int, int, str, str]]:
-    """(id, attempt, gen, state, last error) of those jobs the mirror holds as finished.
+@dataclass(frozen=True, slots=True)
+class RowState:
+    """What the mirror says of a job, as recovery needs it."""
 
-    ``attempt`` and ``gen`` are those of the attempt that finished the job.
+    state: str
+    attempts: int
+    generation: int
+    last_error: str
+
+
+#: The row exists, but another transaction holds it (see lock_for_recovery).
+LOCKED_ELSEWHERE = RowState("", -1, -1, "")
+
+
+def lock_for_recovery(using: str, job_ids: Sequence[str]) -> dict[str, RowState]:
+    """Lock the rows of ``job_ids`` for the caller's transaction; say what each holds.
+
+    A row another transaction holds (a worker writing its outcome, a staff
+    action, another sweep) maps to LOCKED_ELSEWHERE: it is not waited for,
+    the next pass sees what that transaction did. An id with no row (a job
+    pushed into Redis by hand) is missing from the result.
     """
     ids = [job_id for job_id in job_ids if _is_uuid(job_id)]
-    rows = Job.objects.using(using).filter(pk__in=ids, state__in=TERMINAL_STATES).values_list(
-        "pk", "attempts", "generation", "state", "last_error")
-    return [(str(pk), attempts, gen, state, error) for pk, attempts, gen, state, error in rows]
+    jobs = Job.objects.using(using)
+    locked = {str(pk): RowState(state, attempts, generation, error)
+              for pk, state, attempts, generation, error in
+              jobs.select_for_update(skip_locked=True).filter(pk__in=ids).values_list(
+                  "pk", "state", "attempts", "generation", "last_error")}
+    existing = {str(pk) for pk in jobs.filter(pk__in=ids).values_list("pk", flat=True)}
+    return {**dict.fromkeys(existing - set(locked), LOCKED_ELSEWHERE), **locked}
 
 
 def _is_uuid(text: str) -> bool:

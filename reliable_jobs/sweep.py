@@ -15,11 +15,11 @@ from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from django.db import DatabaseError, transaction
+from django.db import DatabaseError, InterfaceError, transaction
 from django.utils import timezone
 
 from . import mirror, payload
-from .broker import Fence, NewJob, Settlement
+from .broker import Fence, NewJob, RecoverResult, Settlement
 from .exceptions import LeaseExpired, class_path
 from .faults import crash_point
 from .mirror import AttemptRecord
@@ -91,68 +91,96 @@ class Sweep:
         """Every shard of the swept queues, read afresh (SHARDS may have changed)."""
         return self.backend.broker.physical_queues(self.queues, self.backend.config.SHARDS)
 
-    def redis_pass(self, physical: list[str] | None = None
-                   ) -> tuple[SweepReport, list[AttemptRecord]]:
-        """Recover and promote every shard; return the mirror records to write.
+    def redis_pass(self, physical: list[str] | None = None) -> SweepReport:
+        """Recover and promote every shard, mirroring what recover did as it goes.
 
-        Refunded budgets (claims that never started) are mirrored here at
-        once: they are only shown in the admin, and losing one loses nothing.
+        Refunded budgets (claims that never started) are mirrored at the end:
+        they are only shown in the admin, and losing one loses nothing.
         """
         report = SweepReport()
-        records: list[AttemptRecord] = []
         refunds: dict[str, int] = {}
-        broker = self.backend.broker
-        lease_ms = self.backend.config.LEASE_MS
         for queue in physical if physical is not None else self.physical_queues():
-            settle = self._mirrored_outcomes(broker.expired(queue))
-            recovered = broker.recover(queue, lease_ms=lease_ms, settle=settle)
+            recovered = self._recover(queue, report)
             report.orphans += recovered.stamped
             for job in recovered.outcomes:
-                if job.kind == "settled":
-                    report.settled += 1
-                elif job.kind == "expired":
+                if job.kind in ("unstarted", "orphan"):
                     report.requeued += 1
-                    records.append(mirror.expired_record(
-                        job.id, job.attempts, dead=False, gen=job.gen,
-                        error=f"{LEASE_EXPIRED}: attempt {job.attempts} "
-                              "stopped renewing its lease (worker lost or stalled)"))
-                elif job.kind == "dead":
-                    report.dead += 1
-                    records.append(mirror.expired_record(
-                        job.id, job.attempts, dead=True, gen=job.gen,
-                        error=f"{LEASE_EXPIRED}: attempt {job.attempts} "
-                              "stopped renewing its lease and no attempt is left"))
-                elif job.kind == "unstarted":
-                    report.requeued += 1
-                    refunds[job.id] = job.max_attempts
-                elif job.kind == "orphan":
-                    report.requeued += 1
+                    if job.kind == "unstarted":
+                        refunds[job.id] = job.max_attempts
                 elif job.kind == "garbage":
                     report.garbage += 1
                     logger.warning("Moved aside %r found on queue %r: no such job.", job.id, queue)
-            crash_point("sweep_after_recover")
-            report.promoted += broker.promote(queue)
+            report.promoted += self.backend.broker.promote(queue)
         if refunds:
             try:
                 mirror.raise_budgets(self.backend.config.DATABASE, refunds)
             except DatabaseError as exc:
                 logger.warning("Could not mirror %d refunded attempt(s): %s", len(refunds), exc)
-        return report, records
+        return report
 
-    def _mirrored_outcomes(self, expired: list[Fence]) -> list[Settlement]:
-        """Of expired started attempts, those whose final outcome the mirror holds.
+    def _recover(self, queue: str, report: SweepReport) -> RecoverResult:
+        """Run recover on one shard with the mirror's agreement; count what it did.
 
-        Their worker wrote the outcome, then died or stalled before its ack:
-        running them again (or burying them) would contradict the history.
+        An expired attempt that started may have written its outcome to the
+        mirror before its worker died, or may write it any moment now (a
+        stalled worker). So the rows of the expired started attempts are
+        locked first (SKIP LOCKED: a row a worker is writing right now is
+        left for the next pass), those the mirror holds as finished are
+        settled, the others may be requeued or buried, and what recover did
+        is mirrored before the locks go: a late outcome of the same attempt
+        then finds it recorded as expired and cannot rewrite the job.
+        Without the database only what needs no mirror is recovered.
         """
+        broker = self.backend.broker
+        database = self.backend.config.DATABASE
+        lease_ms = self.backend.config.LEASE_MS
+        cutoff_ms, expired = broker.expired(queue)
         if not expired:
-            return []
-        tokens = {(job_id, attempt, gen) for job_id, attempt, gen in expired}
-        rows = mirror.finished_attempts(self.backend.config.DATABASE,
-                                        [job_id for job_id, _, _ in expired])
-        return [Settlement(job_id, attempt, gen, state, error)
-                for job_id, attempt, gen, state, error in rows
-                if (job_id, attempt, gen) in tokens]
+            return broker.recover(queue, lease_ms=lease_ms, allowed=[], cutoff_ms=cutoff_ms)
+        try:
+            with transaction.atomic(using=database):
+                rows = mirror.lock_for_recovery(database, [job_id for job_id, _, _ in expired])
+                settle: list[Settlement] = []
+                allowed: list[Fence] = []
+                for job_id, attempt, gen in expired:
+                    row = rows.get(job_id)
+                    if row is mirror.LOCKED_ELSEWHERE:
+                        continue
+                    if (row is not None and row.state in mirror.TERMINAL_STATES
+                            and (row.attempts, row.generation) == (attempt, gen)):
+                        settle.append(Settlement(job_id, attempt, gen, row.state, row.last_error))
+                    else:
+                        allowed.append((job_id, attempt, gen))
+                recovered = broker.recover(queue, lease_ms=lease_ms, settle=settle,
+                                           allowed=allowed, cutoff_ms=cutoff_ms)
+                crash_point("sweep_after_recover")
+                mirror.record(database, self._records(recovered, report))
+        except (DatabaseError, InterfaceError) as exc:
+            logger.warning("Recovering only jobs that never started on queue %r: the database "
+                           "is unavailable (%s).", queue, exc)
+            return broker.recover(queue, lease_ms=lease_ms, allowed=[], cutoff_ms=cutoff_ms)
+        return recovered
+
+    @staticmethod
+    def _records(recovered: RecoverResult, report: SweepReport) -> list[AttemptRecord]:
+        """The mirror records of the started attempts recover settled, requeued or buried."""
+        records: list[AttemptRecord] = []
+        for job in recovered.outcomes:
+            if job.kind == "settled":
+                report.settled += 1
+            elif job.kind == "expired":
+                report.requeued += 1
+                records.append(mirror.expired_record(
+                    job.id, job.attempts, dead=False, gen=job.gen,
+                    error=f"{LEASE_EXPIRED}: attempt {job.attempts} "
+                          "stopped renewing its lease (worker lost or stalled)"))
+            elif job.kind == "dead":
+                report.dead += 1
+                records.append(mirror.expired_record(
+                    job.id, job.attempts, dead=True, gen=job.gen,
+                    error=f"{LEASE_EXPIRED}: attempt {job.attempts} "
+                          "stopped renewing its lease and no attempt is left"))
+        return records
 
     def reconcile(self, *, max_batches: int | None = None) -> SweepReport:
         """Push again every unfinished job Redis lost; mirror deaths Redis recorded.
@@ -234,9 +262,8 @@ class Sweep:
         return len(lost), buried
 
     def run_once(self) -> SweepReport:
-        """One full pass: Redis steps, their mirror records, then reconcile."""
-        report, records = self.redis_pass()
-        mirror.record(self.backend.config.DATABASE, records)
+        """One full pass: the Redis steps (mirrored as they go), then reconcile."""
+        report = self.redis_pass()
         crash_point("sweep_after_promote")
         report.add(self.reconcile())
         return report

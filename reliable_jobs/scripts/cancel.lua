@@ -5,7 +5,8 @@
   KEYS[2] scheduled   zset   id -> due time (ms)
   KEYS[3] job prefix  string job hashes are KEYS[3] .. id (same {queue} slot)
 
-  ARGV[1] id  job id
+  ARGV[1] id            job id
+  ARGV[2] tombstone_ms  how long a cancelled scheduled job's tombstone lives
 
   A running job is never dropped silently: cancel refuses it, and says
   which state it found.
@@ -13,7 +14,9 @@
   A queued job is not searched for on its list (LREM over a long queue is
   O(n)): its hash becomes a tombstone, state 'cancelled', and claim.lua drops
   the id with its hash when it reaches it, so the job never starts. A
-  scheduled job is taken off its sorted set at once (O(log n)).
+  scheduled job is taken off its sorted set at once (O(log n)) and its hash
+  becomes the same tombstone for tombstone_ms, so that a late push of it
+  (the same or an older generation, see enqueue.lua) is refused.
 
   Returns: { cancelled (1 or 0), state found ('' when no hash) }
 ]]
@@ -29,7 +32,14 @@ if state == 'queued' then
   return { 1, state }
 end
 if state == 'scheduled' and redis.call('ZREM', scheduled_key, job_id) > 0 then
+  local tombstone_ms = tonumber(ARGV[2])
+  if tombstone_ms == nil or tombstone_ms ~= math.floor(tombstone_ms) or tombstone_ms < 1 then
+    tombstone_ms = 3600000
+  end
+  local gen = redis.call('HGET', job_key, 'gen') or '0'
   redis.call('DEL', job_key)
+  redis.call('HSET', job_key, 'state', 'cancelled', 'gen', gen)
+  redis.call('PEXPIRE', job_key, tombstone_ms)
   return { 1, state }
 end
 return { 0, state }

@@ -10,16 +10,29 @@
   KEYS[7] landing     list   ids moved off queued by BLMOVE, not yet stamped
   KEYS[8] scan        string where the walk over processing resumes
 
-  ARGV[1] limit      expired leases handled per call at most
-  ARGV[2] lease_ms   lease given to an id found on landing without one
+  ARGV[1] limit         expired leases handled per call at most
+  ARGV[2] lease_ms      lease given to an id found on landing without one
   ARGV[3] tombstone_ms  how long a settled rebuilt job's tombstone lives
-  ARGV[4..]          groups of five, the attempts to settle: id, attempt,
-                     gen, final ('succeeded' or 'dead'), error
+  ARGV[4] cutoff_ms     only leases expired by then count (the TIME
+                        expired.lua read; 0 for now)
+  ARGV[5] settle_count  how many settle groups follow
+  ARGV[6] started       'all': act on every expired started attempt;
+                        'listed': only on those listed after the groups
+  ARGV[7..]             settle_count groups of five, the attempts to settle:
+                        id, attempt, gen, final ('succeeded' or 'dead'),
+                        error; then triples id, attempt, gen: the started
+                        attempts the caller lets this call requeue or bury
 
-  Settling comes first. An expired attempt whose outcome the database mirror
-  already holds (its worker wrote the mirror, then died or stalled before
-  its ack: the caller read that from the mirror, see expired.lua) is
-  finished as that outcome instead of being run again or buried: removed
+  An attempt that started may have written its outcome to the database
+  mirror before its worker died. The sweep asks expired.lua for the started
+  attempts whose lease expired, locks their rows, and passes the ones the
+  mirror holds as finished to settle, and the others as allowed to requeue
+  or bury; it mirrors what happened before it lets the rows go, so a late
+  outcome of the same attempt finds it recorded as expired. A started
+  attempt that expired after cutoff_ms, or that the caller did not list,
+  is left for the next pass.
+
+  Settling comes first: the attempt is finished as the mirror says, removed
   like an ack ('succeeded'; a tombstone when gen > 0, see ack.lua) or
   buried with that error ('dead'). Fenced: only if the job is still
   'running' with that attempt and gen and its lease has expired.
@@ -99,13 +112,28 @@ local KNOWN_STATES = {
 local limit = whole(ARGV[1], 'limit')
 local lease_ms = whole(ARGV[2], 'lease_ms')
 local tombstone_ms = math.max(1, whole(ARGV[3], 'tombstone_ms'))
-if (#ARGV - 3) % 5 ~= 0 then
-  error({ err = 'ERR recover: the attempts to settle must come in groups of five '
-    .. '(id, attempt, gen, final, error)' })
+local cutoff_ms = whole(ARGV[4], 'cutoff_ms')
+local settle_count = whole(ARGV[5], 'settle_count')
+local started_mode = ARGV[6]
+local listed_from = 7 + 5 * settle_count
+if (started_mode ~= 'all' and started_mode ~= 'listed') or #ARGV < listed_from - 1
+    or (#ARGV - listed_from + 1) % 3 ~= 0 then
+  error({ err = 'ERR recover: expected settle_count groups of five (id, attempt, gen, final, '
+    .. 'error), then triples (id, attempt, gen), after started = all or listed' })
 end
 
 local clock = redis.call('TIME')
 local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local expired_by = now_ms
+if cutoff_ms > 0 and cutoff_ms < now_ms then
+  expired_by = cutoff_ms
+end
+
+-- The started attempts this call may requeue or bury: id -> 'attempt:gen'.
+local allowed = {}
+for i = listed_from, #ARGV, 3 do
+  allowed[ARGV[i]] = ARGV[i + 1] .. ':' .. ARGV[i + 2]
+end
 
 local outcomes = {}
 local requeued = 0
@@ -118,7 +146,7 @@ local function report(job_id, attempts, max_attempts, kind, gen)
   outcomes[#outcomes + 1] = gen
 end
 
-for i = 4, #ARGV, 5 do
+for i = 7, listed_from - 1, 5 do
   local job_id, final = ARGV[i], ARGV[i + 3]
   local job_key = job_prefix .. job_id
   local job = redis.call('HMGET', job_key, 'state', 'attempts', 'gen', 'max_attempts')
@@ -142,46 +170,60 @@ for i = 4, #ARGV, 5 do
     report(job_id, count_of(job[2], 0), count_of(job[4], 1), 'settled', gen)
   end
 end
-local expired = redis.call('ZRANGEBYSCORE', leases_key, '-inf', now_ms, 'LIMIT', 0, limit)
+-- A started attempt the caller did not clear with the mirror stays leased.
+local function held_back(job_id)
+  if started_mode == 'all' then
+    return false
+  end
+  local job = redis.call('HMGET', job_prefix .. job_id, 'state', 'attempts', 'started', 'gen')
+  if job[1] ~= 'running' or not job[2] or job[3] ~= job[2] then
+    return false
+  end
+  return allowed[job_id] ~= job[2] .. ':' .. (job[4] or '0')
+end
+
+local expired = redis.call('ZRANGEBYSCORE', leases_key, '-inf', expired_by, 'LIMIT', 0, limit)
 for _, job_id in ipairs(expired) do
-  redis.call('ZREM', leases_key, job_id)
-  -- Landing holds a few ids at most: look there first, so requeuing an
-  -- orphan never walks the whole of processing.
-  if redis.call('LREM', landing_key, 1, job_id) > 0
-      or redis.call('LREM', processing_key, -1, job_id) > 0 then
-    local job_key = job_prefix .. job_id
-    local job = redis.call('HMGET', job_key, 'state', 'attempts', 'max_attempts', 'started', 'gen')
-    local attempts = count_of(job[2], 0)
-    local max_attempts = count_of(job[3], 1)
-    local kind
-    if not KNOWN_STATES[job[1]] then
-      kind = 'garbage'
-      redis.call('DEL', job_key)
-      redis.call('ZADD', dead_key, now_ms, job_id)
-    elseif job[1] == 'running' and job[4] ~= job[2] then
-      kind = 'unstarted'
-      max_attempts = math.min(max_attempts + 1, MAX_COUNT)
-      redis.call('HSET', job_key, 'state', 'queued', 'max_attempts', max_attempts)
-      redis.call('RPUSH', queued_key, job_id)
-      requeued = requeued + 1
-    elseif job[1] == 'running' and attempts >= max_attempts then
-      kind = 'dead'
-      redis.call('ZADD', dead_key, now_ms, job_id)
-      redis.call('HSET', job_key, 'state', 'dead', 'finished_ms', now_ms, 'last_error',
-        'reliable_jobs.exceptions.LeaseExpired: the lease of attempt ' .. attempts .. ' of ' .. max_attempts ..
-        ' expired (worker lost or stalled) and no attempt is left')
-    elseif job[1] == 'running' or job[1] == 'queued' then
-      if job[1] == 'running' then kind = 'expired' else kind = 'orphan' end
-      redis.call('HSET', job_key, 'state', 'queued')
-      redis.call('RPUSH', queued_key, job_id)
-      requeued = requeued + 1
-    else
-      kind = 'dropped'
-      if job[1] == 'cancelled' then
-        redis.call('DEL', job_key)  -- no copy of it is left to drop it later
+  if not held_back(job_id) then
+    redis.call('ZREM', leases_key, job_id)
+    -- Landing holds a few ids at most: look there first, so requeuing an
+    -- orphan never walks the whole of processing.
+    if redis.call('LREM', landing_key, 1, job_id) > 0
+        or redis.call('LREM', processing_key, -1, job_id) > 0 then
+      local job_key = job_prefix .. job_id
+      local job = redis.call('HMGET', job_key, 'state', 'attempts', 'max_attempts', 'started', 'gen')
+      local attempts = count_of(job[2], 0)
+      local max_attempts = count_of(job[3], 1)
+      local kind
+      if not KNOWN_STATES[job[1]] then
+        kind = 'garbage'
+        redis.call('DEL', job_key)
+        redis.call('ZADD', dead_key, now_ms, job_id)
+      elseif job[1] == 'running' and job[4] ~= job[2] then
+        kind = 'unstarted'
+        max_attempts = math.min(max_attempts + 1, MAX_COUNT)
+        redis.call('HSET', job_key, 'state', 'queued', 'max_attempts', max_attempts)
+        redis.call('RPUSH', queued_key, job_id)
+        requeued = requeued + 1
+      elseif job[1] == 'running' and attempts >= max_attempts then
+        kind = 'dead'
+        redis.call('ZADD', dead_key, now_ms, job_id)
+        redis.call('HSET', job_key, 'state', 'dead', 'finished_ms', now_ms, 'last_error',
+          'reliable_jobs.exceptions.LeaseExpired: the lease of attempt ' .. attempts
+          .. ' of ' .. max_attempts .. ' expired (worker lost or stalled) and no attempt is left')
+      elseif job[1] == 'running' or job[1] == 'queued' then
+        if job[1] == 'running' then kind = 'expired' else kind = 'orphan' end
+        redis.call('HSET', job_key, 'state', 'queued')
+        redis.call('RPUSH', queued_key, job_id)
+        requeued = requeued + 1
+      else
+        kind = 'dropped'
+        if job[1] == 'cancelled' then
+          redis.call('DEL', job_key)  -- no copy of it is left to drop it later
+        end
       end
+      report(job_id, attempts, max_attempts, kind, count_of(job[5], 0))
     end
-    report(job_id, attempts, max_attempts, kind, count_of(job[5], 0))
   end
 end
 

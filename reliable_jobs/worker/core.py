@@ -129,7 +129,7 @@ class Worker:
         self.maintenance = Maintenance(
             sweep=Sweep(backend, self.queues), database=self.config.DATABASE,
             sweep_interval_ms=self.config.SWEEP_INTERVAL_MS,
-            reconcile_grace_ms=self.config.RECONCILE_GRACE_MS, finisher=self.finisher,
+            reconcile_grace_ms=self.config.RECONCILE_GRACE_MS,
             redis_outage=self._redis_outage, db_outage=self._db_outage,
             stopping=self._stopping, on_queues=self._set_physical,
             on_pass=self._report_progress if burst and progress else None)

@@ -19,7 +19,6 @@ from django.db import DatabaseError, InterfaceError, connections
 from ..broker import REDIS_ERRORS
 from ..sweep import Sweep
 from .backoff import Outage
-from .finisher import Finisher
 
 logger = logging.getLogger("reliable_jobs.worker")
 
@@ -33,7 +32,7 @@ class Maintenance:
     """A thread that sweeps every ``sweep_interval_ms`` and reconciles every 30 s."""
 
     def __init__(self, *, sweep: Sweep, database: str, sweep_interval_ms: int,
-                 reconcile_grace_ms: int, finisher: Finisher, redis_outage: Outage,
+                 reconcile_grace_ms: int, redis_outage: Outage,
                  db_outage: Outage, stopping: threading.Event,
                  on_queues: Callable[[list[str]], None],
                  on_pass: Callable[[], None] | None = None) -> None:
@@ -41,14 +40,13 @@ class Maintenance:
         self.database = database
         self.sweep_interval_s = sweep_interval_ms / 1000
         self.reconcile_grace_s = reconcile_grace_ms / 1000
-        self.finisher = finisher
         self.redis_outage = redis_outage
         self.db_outage = db_outage
         self.stopping = stopping
         self.on_queues = on_queues
         self.on_pass = on_pass
         #: Held while a pass may have requeued jobs whose records are not yet
-        #: with the finisher (see sweep_once).
+        #: mirrored (see sweep_once).
         self.retry_gate = threading.Lock()
         self._next_reconcile = time.monotonic() + RECONCILE_EVERY_S
 
@@ -71,18 +69,18 @@ class Maintenance:
                                    - time.monotonic()))
 
     def sweep_once(self) -> None:
-        """Recover and promote every shard; hand what recover did to the finisher.
+        """Recover and promote every shard (the sweep mirrors what recover did).
 
         Done under ``retry_gate``: an executor about to run a retried job
-        (which this very pass may have requeued) waits for the gate, then for
-        the finisher to flush, so a poison job cannot kill this process
-        before the history of its previous attempt is written.
+        (which this very pass may have requeued) waits for the gate, so a
+        poison job cannot kill this process before the history of its
+        previous attempt is written.
         """
         with self.retry_gate:
             try:
                 physical = self.sweep.physical_queues()
                 self.on_queues(physical)
-                report, records = self.sweep.redis_pass(physical)
+                report = self.sweep.redis_pass(physical)
             except REDIS_ERRORS as exc:
                 self.redis_outage.failed(exc, "sweeping")
                 return
@@ -90,8 +88,6 @@ class Maintenance:
                 self.db_outage.failed(exc, "sweeping")
                 connections[self.database].close()
                 return
-            for record in records:
-                self.finisher.record(record)
         if report.requeued or report.dead or report.garbage or report.settled:
             logger.info("Sweep: %s.", report)
         if self.on_pass is not None:

@@ -1,0 +1,531 @@
+"""The state machine behind tests/test_model.py: simulated workers on the real queue.
+
+Why a separate module: the machine is long, and a failure's shrunk program
+(printed by Hypothesis as ``state.rule(...)`` calls) can be replayed from a
+Django shell by building :class:`QueueMachine` and calling the same methods.
+
+Every step is one thing a real process does, in the order the real code
+does it (``reliable_jobs/worker``, ``sweep.py``, ``staff.py``), with nothing
+running in between: the machine picks the interleaving, and the invariants
+are checked after each step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from django.db import transaction
+from django.tasks import task_backends
+from django.utils import timezone
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from reliable_jobs import mirror, staff
+from reliable_jobs.broker import Broker, ClaimedJob, Fence, NewJob
+from reliable_jobs.mirror import AttemptRecord
+from reliable_jobs.models import UNFINISHED_STATES, AttemptOutcome, Job, JobState
+from reliable_jobs.sweep import Sweep
+from testproject.demo import tasks as demo
+
+#: Lease length of every claim: short, so a step can outlive it.
+LEASE_MS = 100
+#: The one queue the machine uses.
+QUEUE = "default"
+#: Workers the machine simulates.
+WORKERS = 3
+#: How far in the future a deferred enqueue is due, and a retry delay.
+DEFER_MS = 150
+RETRY_DELAY_MS = 30
+
+
+class ModelViolation(AssertionError):
+    """An invariant of the queue failed (not a mistake of the test's plumbing)."""
+
+
+
+class SweepDied(Exception):
+    """The sweep's process died (raised inside the sweep's mirror transaction)."""
+
+@dataclass
+class Held:
+    """A claim a simulated worker holds: its token, and whether its task started."""
+
+    job: ClaimedJob
+    started: bool = False
+
+
+@dataclass
+class SimWorker:
+    """What one worker process has in memory; forgetting it all is a crash."""
+
+    name: str
+    held: dict[Fence, Held] = field(default_factory=dict)
+    #: Ids this worker moved onto landing with BLMOVE and has not claimed.
+    landed: list[str] = field(default_factory=list)
+    #: Outcomes already in the mirror, waiting for their ack or nack:
+    #: (claim, delay_ms or None for an ack).
+    pending: list[tuple[ClaimedJob, int | None]] = field(default_factory=list)
+
+    def forget(self) -> None:
+        self.held.clear()
+        self.landed.clear()
+        self.pending.clear()
+
+
+def _now_record(job: ClaimedJob, **fields: Any) -> AttemptRecord:
+    return AttemptRecord(job_id=job.id, attempt=job.attempt, gen=job.gen, **fields)
+
+
+class QueueMachine(RuleBasedStateMachine):
+    """Workers, a sweep, a reconciler, a Redis that may lose everything, and staff."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backend = task_backends["default"]
+        self.broker: Broker = self.backend.broker
+        self.database = self.backend.config.DATABASE
+        # Each example starts from an empty Redis database and empty tables.
+        self.broker.client.flushdb()
+        Job.objects.all().delete()
+        self.keys = self.broker.keys(QUEUE)
+        self.workers = [SimWorker(f"w{i}") for i in range(WORKERS)]
+        self.jobs: list[str] = []
+        #: On-commit pushes that have not happened yet (a producer stalled
+        #: or died between its commit and its push).
+        self.late_pushes: list[NewJob] = []
+        #: Mirror records of a sweep pass not written yet (the maintenance
+        #: thread hands them to the finisher, which writes them later).
+        #: Every token claim handed out: a token handed out twice means two
+        #: workers may both hold a current one.
+        self.issued: set[Fence] = set()
+        #: Jobs a crashed sweep may have requeued without mirroring it.
+        self.unrecorded: set[str] = set()
+        #: The terminal state each row was last seen in (succeeded, dead or
+        #: cancelled), until a staff action legitimately moves it.
+        self.final: dict[str, str] = {}
+        #: Jobs cancelled by staff and not requeued since: they never start.
+        self.cancelled: set[str] = set()
+        self.failed = False
+
+    # -- helpers ---------------------------------------------------------
+
+    def fail(self, message: str) -> None:
+        """Raise a violation (and remember it, so teardown does not mask it)."""
+        self.failed = True
+        raise ModelViolation(message)
+
+    def rows(self) -> dict[str, Job]:
+        return {str(job.pk): job for job in Job.objects.all()}
+
+    def job_hashes(self, job_ids: list[str]) -> dict[str, dict[str, str | None]]:
+        with self.broker.client.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.hmget(self.keys.job(job_id), "state", "attempts", "gen", "started")
+            replies = pipe.execute()
+        return {job_id: dict(zip(("state", "attempts", "gen", "started"), reply, strict=True))
+                for job_id, reply in zip(job_ids, replies, strict=True)}
+
+    def is_current(self, fence: Fence, found: dict[str, str | None]) -> bool:
+        """Would Redis accept this token now (the check every fenced script makes)?"""
+        _, attempt, gen = fence
+        return (found["state"] == "running" and found["attempts"] == str(attempt)
+                and (found["gen"] or "0") == str(gen))
+
+    def all_fences(self) -> list[tuple[SimWorker, Fence, bool]]:
+        """(worker, token, started) for every claim any worker still acts on."""
+        out = [(w, fence, h.started) for w in self.workers for fence, h in w.held.items()]
+        out += [(w, job.fence, True) for w in self.workers for job, _ in w.pending]
+        return out
+
+    def take_claims(self, worker: SimWorker, jobs: list[ClaimedJob],
+                    dead: list[Fence]) -> None:
+        """What the worker does with a claim's reply (worker/core.py ``_claim``)."""
+        rows = self.rows()
+        for job in jobs:
+            if job.fence in self.issued:
+                self.fail(f"token {job.fence} was handed out twice")
+            self.issued.add(job.fence)
+            row = rows.get(job.id)
+            if row is not None and row.state == JobState.SUCCEEDED \
+                    and job.id not in self.unrecorded:
+                self.fail(f"job {job.id} is handed out again (attempt {job.attempt}, gen "
+                          f"{job.gen}) although its row already says succeeded "
+                          f"(attempt {row.attempts}, gen {row.generation})")
+            worker.held[job.fence] = Held(job)
+        records = [mirror.expired_record(
+            job_id, attempts, dead=True, gen=gen,
+            error=f"AttemptsExhausted: claimed {attempts} time(s) without finishing")
+            for job_id, attempts, gen in dead]
+        if records:
+            mirror.record(self.database, records)
+
+    def started(self, worker: SimWorker, held: Held, *, record_start: bool) -> bool:
+        """start.lua for one claim; then (maybe) the start record the executor writes."""
+        job = held.job
+        [ok] = self.broker.start(QUEUE, [job.fence])
+        if not ok:
+            del worker.held[job.fence]  # the worker drops a claim it lost
+            return False
+        if job.id in self.cancelled:
+            self.fail(f"job {job.id} was cancelled by staff and then started "
+                      f"(attempt {job.attempt}, gen {job.gen})")
+        held.started = True
+        if record_start:
+            mirror.record(self.database, [_now_record(
+                job, job_state=JobState.RUNNING, worker_id=worker.name,
+                started_at=timezone.now())])
+        return True
+
+    def apply(self, job: ClaimedJob, delay_ms: int | None, error: str) -> None:
+        """The finisher's Redis step, after the mirror write (fenced; may be refused)."""
+        if delay_ms is None:
+            self.broker.ack(QUEUE, [job.fence])
+        else:
+            self.broker.nack(QUEUE, [(*job.fence, delay_ms, error)])
+
+    def backdate(self) -> None:
+        """Make every row older than reconcile's grace: as if that much time passed."""
+        Job.objects.update(updated_at=timezone.now() - timedelta(hours=1))
+
+    # -- producers ---------------------------------------------------------
+
+    @initialize(deferred=st.lists(st.booleans(), min_size=1, max_size=3))
+    def first_jobs(self, deferred: list[bool]) -> None:
+        """Start with a few jobs already pushed (most programs need some)."""
+        for later in deferred:
+            self.enqueue(deferred=later, late=False)
+
+    @precondition(lambda self: len(self.jobs) < 6)
+    @rule(deferred=st.booleans(), late=st.booleans())
+    def enqueue(self, deferred: bool, late: bool) -> None:
+        """backend.enqueue in a transaction; the push runs on commit, or is held back."""
+        task = demo.add
+        if deferred:
+            task = task.using(run_after=timezone.now() + timedelta(milliseconds=DEFER_MS))
+        if late:
+            # The producer commits, then stalls (or dies) before its push.
+            self.backend._push = lambda queue, jobs: self.late_pushes.extend(jobs)  # type: ignore[method-assign]
+        try:
+            with transaction.atomic():
+                result = task.enqueue(len(self.jobs), 1)
+        finally:
+            self.backend.__dict__.pop("_push", None)
+        self.jobs.append(result.id)
+
+    @precondition(lambda self: self.late_pushes)
+    @rule(index=st.integers(0, 10))
+    def late_push(self, index: int) -> None:
+        """A stalled producer's on-commit push finally arrives."""
+        job = self.late_pushes.pop(index % len(self.late_pushes))
+        self.backend._push(QUEUE, [job])
+
+    # -- workers -----------------------------------------------------------
+
+    @rule(k=st.integers(0, WORKERS - 1), count=st.integers(1, 3), start=st.booleans())
+    def claim(self, k: int, count: int, start: bool) -> None:
+        """Claim a batch; with ``start`` the executors start all of it at once."""
+        worker = self.workers[k]
+        result = self.broker.claim(QUEUE, count=count, lease_ms=LEASE_MS)
+        self.take_claims(worker, result.jobs, result.dead)
+        if start:
+            for job in result.jobs:
+                self.started(worker, worker.held[job.fence], record_start=True)
+
+    @rule(k=st.integers(0, WORKERS - 1))
+    def land(self, k: int) -> None:
+        """BLMOVE queued -> landing (a worker serving one queue waits this way)."""
+        found = self.broker.wait([QUEUE], 0.01)
+        if found is not None and found[1] is not None:
+            self.workers[k].landed.append(found[1])
+
+    @precondition(lambda self: any(w.landed for w in self.workers))
+    @rule(k=st.integers(0, WORKERS - 1))
+    def claim_landed(self, k: int) -> None:
+        """Stamp the id this worker moved with BLMOVE (claim with moved_id)."""
+        waiting = [w for w in self.workers if w.landed]
+        worker = waiting[k % len(waiting)]
+        moved = worker.landed.pop(0)
+        result = self.broker.claim(QUEUE, count=0, lease_ms=LEASE_MS, moved_id=moved)
+        self.take_claims(worker, result.jobs, result.dead)
+
+    def claims(self, *, started: bool) -> list[tuple[SimWorker, Held]]:
+        """Every claim in any worker's hand that has (not) started, in a stable order."""
+        return [(w, h) for w in self.workers for h in w.held.values() if h.started == started]
+
+    @precondition(lambda self: self.claims(started=False))
+    @rule(index=st.integers(0, 20), record_start=st.booleans())
+    def start(self, index: int, record_start: bool) -> None:
+        """start.lua before the task runs; only a started attempt may run."""
+        unstarted = self.claims(started=False)
+        worker, held = unstarted[index % len(unstarted)]
+        self.started(worker, held, record_start=record_start)
+
+    @precondition(lambda self: self.claims(started=True))
+    @rule(index=st.integers(0, 20),
+          # Success twice as likely: most attempts succeed, and most bugs
+          # worth finding are about a success recorded at the wrong time.
+          outcome=st.sampled_from(["succeeded", "succeeded", "queued", "scheduled", "dead"]),
+          ack_now=st.booleans())
+    def finish(self, index: int, outcome: str, ack_now: bool) -> None:
+        """The task ended: mirror the outcome (committed), then ack or nack it.
+
+        With ``ack_now`` False the Redis step waits (the finisher is slow, or
+        the worker dies before it: see ``crash``). A failure on the last
+        attempt is dead, as retry.next_delay_ms decides.
+        """
+        running = self.claims(started=True)
+        worker, held = running[index % len(running)]
+        job = held.job
+        del worker.held[job.fence]
+        now = timezone.now()
+        if outcome != "succeeded" and job.attempt >= job.max_attempts:
+            outcome = "dead"
+        delay: int | None
+        if outcome == "succeeded":
+            rec = _now_record(job, job_state=JobState.SUCCEEDED, worker_id=worker.name,
+                              started_at=now, finished_at=now,
+                              outcome=AttemptOutcome.SUCCEEDED, return_value=job.attempt)
+            delay = None
+        else:
+            delay = {"queued": 0, "scheduled": RETRY_DELAY_MS, "dead": -1}[outcome]
+            rec = _now_record(
+                job, job_state=outcome, worker_id=worker.name, started_at=now,
+                finished_at=now, outcome=AttemptOutcome.FAILED,
+                error=f"builtins.ValueError: attempt {job.attempt} failed",
+                retry_at=now + timedelta(milliseconds=RETRY_DELAY_MS)
+                if outcome == "scheduled" else None)
+        mirror.record(self.database, [rec])
+        if ack_now:
+            self.apply(job, delay, rec.error)
+        else:
+            worker.pending.append((job, delay))
+
+    @precondition(lambda self: any(w.pending for w in self.workers))
+    @rule(k=st.integers(0, WORKERS - 1))
+    def ack_pending(self, k: int) -> None:
+        """The finisher's late Redis step for the oldest mirrored outcome."""
+        waiting = [w for w in self.workers if w.pending]
+        worker = waiting[k % len(waiting)]
+        job, delay = worker.pending.pop(0)
+        self.apply(job, delay, "builtins.ValueError: failed")
+
+    @rule(k=st.integers(0, WORKERS - 1))
+    def renew(self, k: int) -> None:
+        """The lease keeper renews every claim in hand (refused ones are left stale)."""
+        fences = [f for w, f, _ in self.all_fences() if w is self.workers[k]]
+        if fences:
+            self.broker.extend(QUEUE, fences, lease_ms=LEASE_MS)
+
+    @rule(k=st.integers(0, WORKERS - 1), graceful=st.booleans())
+    def stop(self, k: int, graceful: bool) -> None:
+        """A worker stops: SIGKILL (it forgets everything it held, landed or had not
+        acked) or a graceful stop (worker/core.py ``_release``: claims in hand go
+        back at once, mirrored outcomes are left to the sweep)."""
+        worker = self.workers[k]
+        if not graceful:
+            worker.forget()
+            return
+        held = list(worker.held.values())
+        worker.held.clear()
+        worker.landed.clear()
+        worker.pending.clear()
+        if not held:
+            return
+        done = self.broker.release(QUEUE, [(*h.job.fence, h.started) for h in held])
+        released = [_now_record(h.job, job_state=JobState.QUEUED, finished_at=timezone.now(),
+                                outcome=AttemptOutcome.RELEASED, error="released")
+                    for h, ok in zip(held, done, strict=True) if ok and h.started]
+        refunds = {h.job.id: h.job.max_attempts + 1
+                   for h, ok in zip(held, done, strict=True) if ok and not h.started}
+        if released:
+            mirror.record(self.database, released)
+        if refunds:
+            mirror.raise_budgets(self.database, refunds)
+
+    # -- the sweep -----------------------------------------------------------
+
+    @rule(expire=st.booleans(), stall=st.booleans(), crash=st.booleans())
+    def sweep(self, expire: bool, stall: bool, crash: bool) -> None:
+        """Sweep.redis_pass, which mirrors what recover did before its row locks go.
+
+        With ``expire`` every lease not renewed runs out first (the server's
+        clock decides): that is how a stalled or dead holder loses its job.
+        With ``stall`` the pass pauses (a GC pause, a slow network) between
+        expired.lua and its mirror lookup, for as long as a lease. With
+        ``crash`` the sweep dies after recover.lua, before its mirror
+        transaction commits: Redis has acted, the mirror knows nothing.
+        """
+        if expire:
+            time.sleep(LEASE_MS * 1.2 / 1000)
+        broker = self.broker
+        if stall:
+            real_expired = broker.expired
+
+            def expired_then_stall(queue: str, **kwargs: Any) -> Any:
+                found = real_expired(queue, **kwargs)
+                time.sleep(LEASE_MS * 1.2 / 1000)
+                return found
+
+            broker.expired = expired_then_stall  # type: ignore[method-assign]
+        real_record = mirror.record
+        if crash:
+            # Whatever recover requeues now, the mirror never hears of: a late
+            # outcome of those attempts may then finish their rows while Redis
+            # runs them again, which at-least-once allows after a crash.
+            self.unrecorded |= {job_id for job_id, _, _ in broker.expired(QUEUE)[1]}
+            def die(*args: Any, **kwargs: Any) -> None:
+                raise SweepDied
+
+            mirror.record = die  # type: ignore[assignment]
+        try:
+            Sweep(self.backend).redis_pass()
+        except SweepDied:
+            pass
+        finally:
+            broker.__dict__.pop("expired", None)
+            mirror.record = real_record  # type: ignore[assignment]
+
+    @rule()
+    def reconcile(self) -> None:
+        """Reconcile once every row is older than the grace period."""
+        self.backdate()
+        Sweep(self.backend).reconcile()
+
+    @rule()
+    def flush_redis(self) -> None:
+        """Redis restarts empty (no persistence) or a failover drops everything."""
+        self.broker.client.flushdb()
+
+    # -- staff -------------------------------------------------------------
+
+    @precondition(lambda self: self.jobs)
+    @rule(action=st.sampled_from(["cancel", "retry", "requeue"]), index=st.integers(0, 10))
+    def staff_action(self, action: str, index: int) -> None:
+        """An admin action on one job (staff.py), as the admin calls it."""
+        job_id = self.jobs[index % len(self.jobs)]
+        if not getattr(staff, action)(self.backend, job_id).done:
+            return
+        if action == "cancel":
+            self.cancelled.add(job_id)
+            self.final[job_id] = JobState.CANCELLED
+        else:
+            # retry: dead -> queued; requeue: cancelled (or scheduled) -> queued.
+            self.cancelled.discard(job_id)
+            self.final.pop(job_id, None)
+
+    # -- invariants ----------------------------------------------------------
+
+    @invariant()
+    def one_live_token_per_job(self) -> None:
+        """At most one token per job is current, and no token is held twice."""
+        fences = self.all_fences()
+        if not fences:
+            return
+        found = self.job_hashes(sorted({f[0] for _, f, _ in fences}))
+        current: dict[str, set[tuple[str, Fence]]] = {}
+        for worker, fence, _ in fences:
+            if self.is_current(fence, found[fence[0]]):
+                current.setdefault(fence[0], set()).add((worker.name, fence))
+        for job_id, holders in current.items():
+            if len(holders) > 1:
+                self.fail(f"job {job_id} has {len(holders)} current tokens: {sorted(holders)}")
+
+    @invariant()
+    def finished_rows_stay_finished(self) -> None:
+        """Succeeded stays succeeded; dead and cancelled move only by staff action.
+
+        One exception, by design (mirror.py): a dead job that Redis ran again
+        (its lease had expired first) and that then succeeded is succeeded.
+        """
+        for job_id, row in self.rows().items():
+            was = self.final.get(job_id)
+            later_success = was == JobState.DEAD and row.state == JobState.SUCCEEDED
+            if was is not None and row.state != was and not later_success:
+                self.fail(f"job {job_id}'s row went from {was} to {row.state} (attempts "
+                          f"{row.attempts}, gen {row.generation}) without a staff action")
+            if row.state in (JobState.SUCCEEDED, JobState.DEAD, JobState.CANCELLED):
+                self.final[job_id] = row.state
+
+    @invariant()
+    def unfinished_rows_are_reachable(self) -> None:
+        """Every unfinished row is where a script finds it, or reconcile rebuilds it."""
+        unfinished = [job_id for job_id, row in self.rows().items()
+                      if row.state in UNFINISHED_STATES]
+        if not unfinished:
+            return
+        client, k = self.broker.client, self.keys
+        queued = set(client.lrange(k.queued, 0, -1))
+        processing = set(client.lrange(k.processing, 0, -1))
+        landing = set(client.lrange(k.landing, 0, -1))
+        scheduled = set(client.zrange(k.scheduled, 0, -1))
+        leases = set(client.zrange(k.leases, 0, -1))
+        late = {job.id for job in self.late_pushes}
+        for job_id, found in self.job_hashes(unfinished).items():
+            state = found["state"]
+            if state in (None, "finished", "cancelled", "dead"):
+                continue  # reconcile rebuilds (or buries) it
+            if state == "queued" and (job_id in queued or job_id in landing):
+                continue
+            if state == "running" and job_id in processing and job_id in leases:
+                continue
+            if state == "scheduled" and job_id in scheduled:
+                continue
+            if job_id in late:
+                continue
+            self.fail(f"job {job_id} is unfinished in the mirror but stranded in Redis: "
+                      f"hash {found}, queued={job_id in queued}, "
+                      f"processing={job_id in processing}, landing={job_id in landing}, "
+                      f"scheduled={job_id in scheduled}, lease={job_id in leases}")
+
+    # -- the end of an example: everything recovers ------------------------------
+
+    def teardown(self) -> None:
+        """Stop every fault, let sweep, reconcile and a fresh worker finish every job."""
+        if self.failed:
+            return
+        for worker in self.workers:
+            worker.forget()
+        # Lost pushes are the outbox's business: reconcile must find them.
+        self.late_pushes = []
+        survivor = SimWorker("survivor")
+        for round_ in range(40):
+            if round_:
+                time.sleep(LEASE_MS * 1.2 / 1000)  # leases of the dead workers run out
+            Sweep(self.backend).redis_pass()
+            self.backdate()
+            Sweep(self.backend).reconcile()
+            while True:
+                result = self.broker.claim(QUEUE, count=50, lease_ms=60_000)
+                self.take_claims(survivor, result.jobs, result.dead)
+                if not result.jobs and not result.dead and not result.garbage:
+                    break
+            for held in list(survivor.held.values()):
+                if self.started(survivor, held, record_start=True):
+                    job = held.job
+                    del survivor.held[job.fence]
+                    now = timezone.now()
+                    mirror.record(self.database, [_now_record(
+                        job, job_state=JobState.SUCCEEDED, worker_id=survivor.name,
+                        started_at=now, finished_at=now, outcome=AttemptOutcome.SUCCEEDED,
+                        return_value=job.attempt)])
+                    self.broker.ack(QUEUE, [job.fence])
+            self.finished_rows_stay_finished()
+            rows = self.rows()
+            if all(row.state not in UNFINISHED_STATES for row in rows.values()):
+                break
+        for job_id, row in self.rows().items():
+            if row.state in UNFINISHED_STATES:
+                self.fail(f"job {job_id} is lost: still {row.state} after recovery "
+                          f"(attempts {row.attempts}/{row.max_attempts}, gen {row.generation}, "
+                          f"Redis {self.job_hashes([job_id])[job_id]})")
+            if row.state == JobState.DEAD and not row.last_error:
+                self.fail(f"job {job_id} is dead without an error")
