@@ -108,14 +108,16 @@ class ReliableJobsBackend(BaseTaskBackend):
 
     # -- per-task settings ---------------------------------------------
 
-    def task_option(self, task: Task, name: str) -> Any:
+    def task_option(self, task: Task[..., Any], name: str) -> Any:
         """A task's own option, or the backend default (``timeout_ms`` -> TIMEOUT_MS)."""
         value = getattr(task, name, None)
         return value if value is not None else getattr(self.config, name.upper())
 
     # -- enqueue ---------------------------------------------------------
 
-    def enqueue(self, task: Task, args: Sequence[Any], kwargs: dict[str, Any]) -> TaskResult:
+    def enqueue(  # type: ignore[override]  # results are typed per task in the stubs only
+            self, task: Task[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
+    ) -> TaskResult[..., Any]:
         """Write the job row now and push it to Redis when the transaction commits."""
         self._raise_if_misconfigured()  # first: E009 before any model import
         self.validate_task(task)
@@ -137,8 +139,8 @@ class ReliableJobsBackend(BaseTaskBackend):
         return result
 
     def enqueue_many(
-        self, task: Task, calls: Iterable[tuple[Sequence[Any], dict[str, Any]]]
-    ) -> list[TaskResult]:
+        self, task: Task[..., Any], calls: Iterable[tuple[Sequence[Any], dict[str, Any]]]
+    ) -> list[TaskResult[..., Any]]:
         """Enqueue many calls of one task: one bulk insert, one script call per 1,000."""
         self._raise_if_misconfigured()
         self.validate_task(task)
@@ -188,7 +190,7 @@ class ReliableJobsBackend(BaseTaskBackend):
                 exc_info=not isinstance(exc, REDIS_ERRORS),
             )
 
-    def validate_task(self, task: Task) -> None:
+    def validate_task(self, task: Task[..., Any]) -> None:
         super().validate_task(task)
         if not is_valid_queue_name(task.queue_name):
             from .compat import InvalidTask
@@ -200,7 +202,7 @@ class ReliableJobsBackend(BaseTaskBackend):
 
     # -- results ---------------------------------------------------------
 
-    def get_result(self, result_id: str) -> TaskResult:
+    def get_result(self, result_id: str) -> TaskResult[..., Any]:
         from .models import Job
 
         try:
@@ -210,7 +212,7 @@ class ReliableJobsBackend(BaseTaskBackend):
             raise TaskResultDoesNotExist(result_id) from None
         return self._result(job, self._task_for(job), attempts=list(job.attempt_set.all()))
 
-    def _task_for(self, job: Any) -> Task:
+    def _task_for(self, job: Any) -> Task[..., Any]:
         task = lookup(job.task_path)
         if task is None:
             # The path comes from our own table, written by enqueue(); it is
@@ -225,13 +227,14 @@ class ReliableJobsBackend(BaseTaskBackend):
             )
         return task
 
-    def _result(self, job: Any, task: Task, attempts: list[Any] | None = None) -> TaskResult:
+    def _result(self, job: Any, task: Task[..., Any],
+                attempts: list[Any] | None = None) -> TaskResult[..., Any]:
         from .models import FAILED_OUTCOMES
 
         attempts = attempts or []
         if job.queue != task.queue_name or job.run_after != task.run_after:
             task = _as_enqueued(task, queue_name=job.queue, run_after=job.run_after)
-        result = TaskResult(
+        result: TaskResult[..., Any] = TaskResult(
             task=task,
             id=str(job.pk),
             status=job.task_status,
@@ -261,7 +264,7 @@ class ReliableJobsBackend(BaseTaskBackend):
         return check_backend(self)
 
 
-def mirror_job(alias: str, task: Task, args: Sequence[Any], kwargs: dict[str, Any], *,
+def mirror_job(alias: str, task: Task[..., Any], args: Sequence[Any], kwargs: dict[str, Any], *,
                max_attempts: int, now: datetime, shard: int = 0) -> Any:
     """Build (unsaved) the Job row for one enqueue."""
     from .models import Job, JobState
@@ -276,7 +279,8 @@ def mirror_job(alias: str, task: Task, args: Sequence[Any], kwargs: dict[str, An
     )
 
 
-def _as_enqueued(task: Task, *, queue_name: str, run_after: datetime | None) -> Task:
+def _as_enqueued(task: Task[..., Any], *, queue_name: str,
+                 run_after: datetime | None) -> Task[..., Any]:
     """Return ``task`` with the queue and run_after a job was enqueued with.
 
     Not ``task.using()``: that validates against today's settings, so the

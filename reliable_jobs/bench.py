@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from .backend import ReliableJobsBackend
 from .compat import Task
@@ -50,7 +51,7 @@ class Figure:
         return f"{self.name:<28} {self.median:>10,.0f} jobs/s   (runs: {spread})"
 
 
-def bench_task(backend: ReliableJobsBackend, queue: str) -> Task:
+def bench_task(backend: ReliableJobsBackend, queue: str) -> Task[..., Any]:
     """The no-op task bound to ``backend`` and ``queue`` (registered for this process)."""
     return backend.task_class(func=noop, backend=backend.alias, queue_name=queue)
 

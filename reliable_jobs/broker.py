@@ -280,14 +280,17 @@ class Broker:
         client = self._blocking_client()
         if len(queues) == 1:
             k = self.keys(queues[0])
-            moved = client.blmove(k.queued, k.landing, timeout_s, "RIGHT", "LEFT")
-            return (queues[0], moved) if moved is not None else None
+            # Typing only: BLMOVE's timeout is float seconds, and the client
+            # decodes replies (str, not bytes | str as redis-py's types say).
+            moved = client.blmove(k.queued, k.landing, timeout_s,  # type: ignore[arg-type]
+                                  "RIGHT", "LEFT")
+            return (queues[0], moved) if moved is not None else None  # type: ignore[return-value]
         markers = {(wake_marker(self.prefix, q) if self.cluster else self.keys(q).wake): q
                    for q in queues}
         reply = client.blpop(list(markers), timeout=timeout_s)
         if reply is None:
             return None
-        return markers[reply[0]], None
+        return markers[reply[0]], None  # type: ignore[index]  # decoded: str keys
 
     def _blocking_client(self) -> redis.Redis:
         if self._blocking is None:

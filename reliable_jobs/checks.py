@@ -86,7 +86,7 @@ def _check_reachable(where: str, url: str) -> list[checks.CheckMessage]:
                  "the password in REDIS_URL.",
             id="reliable_jobs.W001",
         )]
-    except (*REDIS_ERRORS, OSError) as exc:
+    except (*REDIS_ERRORS, OSError) as exc:  # type: ignore[misc]  # mypy cannot unpack a tuple[type, ...]
         return [checks.Warning(
             f"{where}: Redis at {mask_password(url)} does not answer ({exc}).",
             hint="Jobs enqueued now wait in the database until Redis is back and the "
@@ -124,7 +124,7 @@ def _check_eviction(where: str, url: str) -> list[checks.CheckMessage]:
     client = connect(url, socket_timeout=PING_TIMEOUT_S)
     try:
         policies = client.config_get("maxmemory-policy")
-    except (*REDIS_ERRORS, OSError):
+    except (*REDIS_ERRORS, OSError):  # type: ignore[misc]  # mypy cannot unpack a tuple[type, ...]
         return []
     finally:
         client.close()

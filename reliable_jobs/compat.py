@@ -22,7 +22,7 @@ mirrors its API.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, Literal, Protocol, TypeVar, overload
 
 import django
 
@@ -63,7 +63,6 @@ if TYPE_CHECKING:
         TaskContext,
         TaskResult,
         TaskResultStatus,
-        task,
         task_backends,
     )
     from django.tasks.backends.base import BaseTaskBackend
@@ -79,6 +78,45 @@ if TYPE_CHECKING:
 
     USING_BACKPORT: bool
     TASKS_LOGGER: str
+
+    class _TaskDecorator(Protocol):
+        """django.tasks.task as the stubs type it, plus ReliableTask's options
+        (which task() passes on to the backend's task_class)."""
+
+        @overload
+        def __call__[**P, R](
+            self, function: Callable[Concatenate[TaskContext[Any, Any], P], R], *,
+            priority: int | None = None, queue_name: str | None = None,
+            backend: str | None = None, takes_context: Literal[True],
+            max_attempts: int | None = None, retry_base_ms: int | None = None,
+            retry_max_ms: int | None = None, timeout_ms: int | None = None,
+        ) -> Task[P, R]: ...
+        @overload
+        def __call__[**P, R](
+            self, function: Callable[P, R], *,
+            priority: int | None = None, queue_name: str | None = None,
+            backend: str | None = None, takes_context: Literal[False] = False,
+            max_attempts: int | None = None, retry_base_ms: int | None = None,
+            retry_max_ms: int | None = None, timeout_ms: int | None = None,
+        ) -> Task[P, R]: ...
+        @overload
+        def __call__[**P, R](
+            self, *,
+            priority: int | None = None, queue_name: str | None = None,
+            backend: str | None = None, takes_context: Literal[True],
+            max_attempts: int | None = None, retry_base_ms: int | None = None,
+            retry_max_ms: int | None = None, timeout_ms: int | None = None,
+        ) -> Callable[[Callable[Concatenate[TaskContext[Any, Any], P], R]], Task[P, R]]: ...
+        @overload
+        def __call__[**P, R](
+            self, *,
+            priority: int | None = None, queue_name: str | None = None,
+            backend: str | None = None, takes_context: Literal[False] = False,
+            max_attempts: int | None = None, retry_base_ms: int | None = None,
+            retry_max_ms: int | None = None, timeout_ms: int | None = None,
+        ) -> Callable[[Callable[P, R]], Task[P, R]]: ...
+
+    task: _TaskDecorator
 else:
     try:
         from django.tasks import (

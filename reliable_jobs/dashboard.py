@@ -134,7 +134,7 @@ def snapshot(backend: ReliableJobsBackend, *, now: datetime | None = None) -> Sn
         snap.problems.append(f"The database did not answer ({exc}): throughput is unknown.")
     try:
         snap.drift = drift(backend)
-    except (*REDIS_ERRORS, DatabaseError) as exc:
+    except (*REDIS_ERRORS, DatabaseError) as exc:  # type: ignore[misc]  # mypy cannot unpack a tuple[type, ...]
         snap.problems.append(f"Drift could not be checked ({exc}).")
     return snap
 

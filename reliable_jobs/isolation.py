@@ -162,7 +162,7 @@ def _child_main(sender: Connection, payload_text: str, job_id: str, attempt: int
         if task is None:
             raise PermanentFailure(f"{decoded.task_path!r} is not a registered task")
         if task.takes_context:
-            result = TaskResult(
+            result: TaskResult[..., Any] = TaskResult(
                 task=task.using(queue_name=queue), id=job_id, status=TaskResultStatus.RUNNING,
                 enqueued_at=None, started_at=None, finished_at=None, last_attempted_at=None,
                 args=decoded.args, kwargs=decoded.kwargs, backend=backend, errors=[],

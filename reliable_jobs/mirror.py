@@ -142,7 +142,7 @@ def record(using: str, records: Iterable[AttemptRecord]) -> None:
             _pg_write_attempts(cursor, list(merged.values()))
             stop_point("in_mirror_transaction")
             _pg_write_jobs(cursor, list(newest.values()))
-            retried = [r for r in newest.values() if r.attempt > 1]
+            retried: Sequence[AttemptRecord] = [r for r in newest.values() if r.attempt > 1]
             if retried:
                 cursor.execute(_PG_CLOSE_ABANDONED, [ABANDONED_ERROR,
                                                      _joined(r.job_id for r in retried),

@@ -19,20 +19,20 @@ from django.conf import settings
 from django.core.signals import setting_changed
 from django.dispatch import receiver
 
-from .tasks import InvalidTask, Task
+from .compat import InvalidTask, Task
 
 #: Modules unreachable_reason() found workers import.
 _reachable: set[str] = set()
 
 
-def ensure_reachable(task: Task) -> None:
+def ensure_reachable(task: Task[..., Any]) -> None:
     """Raise InvalidTask, saying the fix, if no worker will ever run ``task``."""
     reason = unreachable_reason(task)
     if reason is not None:
         raise InvalidTask(reason)
 
 
-def unreachable_reason(task: Task) -> str | None:
+def unreachable_reason(task: Task[..., Any]) -> str | None:
     """Why no worker will ever run ``task``, with the fix; None when one will.
 
     Called by enqueue (not by validate_task, which runs while the task's

@@ -24,7 +24,7 @@ def backoff_ms(attempt: int, *, base_ms: int, max_ms: int, rng: random.Random | 
     upper half: retries of jobs that failed together spread out, and no
     retry comes sooner than half its nominal delay.
     """
-    nominal = min(max_ms, base_ms * 2 ** min(max(attempt - 1, 0), 32))
+    nominal: int = min(max_ms, base_ms * 2 ** min(max(attempt - 1, 0), 32))
     half = nominal // 2
     return half + (rng or random).randint(0, nominal - half)
 

@@ -23,14 +23,14 @@ from django.utils.module_loading import autodiscover_modules
 
 from .compat import InvalidTask, Task
 
-_registry: dict[str, Task] = {}
+_registry: dict[str, Task[..., Any]] = {}
 #: Paths lookup() already found allowed.
-_allowed: dict[str, Task] = {}
+_allowed: dict[str, Task[..., Any]] = {}
 _lock = threading.Lock()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ReliableTask(Task):
+class ReliableTask(Task):  # type: ignore[type-arg]  # generic only in django-stubs
     """A ``django.tasks.Task`` with per-task retry and time limits.
 
     Each option left at None takes the backend's OPTIONS default.
@@ -58,13 +58,13 @@ class ReliableTask(Task):
         register(self)
 
 
-def register(task: Task) -> None:
+def register(task: Task[..., Any]) -> None:
     """Allow workers to run ``task`` (the first task seen for a path wins)."""
     with _lock:
         _registry.setdefault(task.module_path, task)
 
 
-def lookup(task_path: object) -> Task | None:
+def lookup(task_path: object) -> Task[..., Any] | None:
     """Return the task a worker may run for ``task_path``, or None; imports nothing.
 
     Allowed: a task registered in this process whose function lives in an

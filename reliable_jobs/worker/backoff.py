@@ -63,6 +63,6 @@ class Outage:
         with self._lock:
             since, self.down_since = self.down_since, None
         if since is None:
-            return False
+            return False  # type: ignore[unreachable]  # another thread cleared it first
         logger.warning("%s is back after %.1f s.", self.name, time.monotonic() - since)
         return True

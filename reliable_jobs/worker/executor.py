@@ -148,7 +148,7 @@ class Executor:
             job_id=job.id, attempt=job.attempt, gen=job.gen, job_state=JobState.RUNNING,
             worker_id=self.worker_id, started_at=started_at))
         task_path = "?"
-        result: TaskResult | None = None
+        result: TaskResult[..., Any] | None = None
         try:
             decoded = payload.decode(job.payload, max_bytes=self.config.MAX_PAYLOAD_BYTES)
             task_path = decoded.task_path
@@ -192,7 +192,7 @@ class Executor:
                         (time.perf_counter() - started_clock) * 1000)
 
     def _task_result(self, task: Any, job: ClaimedJob, decoded: payload.Payload,
-                     started_at: datetime) -> TaskResult:
+                     started_at: datetime) -> TaskResult[..., Any]:
         queue = logical_queue(job.queue)  # the shard's queue, as enqueued
         if task.queue_name != queue:
             task = task.using(queue_name=queue)
@@ -204,7 +204,8 @@ class Executor:
         )
 
     def _fail(self, job: ClaimedJob, exc: BaseException, task_path: str,
-              result: TaskResult | None, started_at: datetime, started_clock: float) -> None:
+              result: TaskResult[..., Any] | None, started_at: datetime,
+              started_clock: float) -> None:
         """Record a failed attempt; called inside the ``except`` block (signals read exc_info)."""
         task = lookup(task_path)
         delay_ms = retry.next_delay_ms(

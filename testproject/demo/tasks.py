@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 from reliable_jobs.chaos_ledger import ledger_run
 from reliable_jobs.compat import TaskContext, task
@@ -32,7 +33,7 @@ def sleep_for(seconds: float) -> float:
     return seconds
 
 
-@task(takes_context=True, retry_base_ms=100, retry_max_ms=1_000)  # type: ignore[call-overload,untyped-decorator]
+@task(takes_context=True, retry_base_ms=100, retry_max_ms=1_000)
 def chaos_job(context: TaskContext[[float, int, bool], float], seconds: float,
               fail_attempts: int = 0, give_up: bool = False) -> float:
     """The chaos run's job: sleep, maybe fail as planned, and record the run in the ledger.
@@ -55,7 +56,7 @@ def chaos_job(context: TaskContext[[float, int, bool], float], seconds: float,
 
 # django-stubs' task() does not declare the keyword arguments a backend's
 # task_class adds (max_attempts, retry_base_ms, ...), hence the ignores below.
-@task(takes_context=True, max_attempts=5, retry_base_ms=100)  # type: ignore[call-overload,untyped-decorator]
+@task(takes_context=True, max_attempts=5, retry_base_ms=100)
 def fail_times(context: TaskContext[[str, int], str], key: str, times: int) -> str:
     """Raise RuntimeError on the first ``times`` attempts, then return ``key``.
 
@@ -68,7 +69,7 @@ def fail_times(context: TaskContext[[str, int], str], key: str, times: int) -> s
     return key
 
 
-@task(max_attempts=3, retry_base_ms=100)  # type: ignore[call-overload,untyped-decorator]
+@task(max_attempts=3, retry_base_ms=100)
 def always_fail(message: str = "boom") -> None:
     """Raise RuntimeError(message) on every attempt: a job that ends FAILED."""
     raise RuntimeError(message)
@@ -82,7 +83,7 @@ async def async_add(a: int, b: int) -> int:
 
 
 @task(takes_context=True, max_attempts=3)
-def retry_once_later(context: TaskContext, delay_ms: int) -> int:
+def retry_once_later(context: TaskContext[..., Any], delay_ms: int) -> int:
     """Ask for a retry in ``delay_ms`` on the first attempt, then return the attempt number."""
     if context.attempt == 1:
         raise RetryLater(delay_ms, "not ready yet")

@@ -48,7 +48,7 @@ class Command(BaseCommand):
         try:
             report = retention.prune(backend, older_than=timedelta(days=days),
                                      batch=options["batch_size"])
-        except (*REDIS_ERRORS, DatabaseError) as exc:
+        except (*REDIS_ERRORS, DatabaseError) as exc:  # type: ignore[misc]  # mypy cannot unpack a tuple[type, ...]
             raise CommandError(f"Pruning stopped ({exc}); batches already committed stay "
                                "deleted, and running it again goes on.") from exc
         if options["verbosity"] >= 1:

@@ -58,7 +58,7 @@ class Command(BaseCommand):
             started = time.monotonic()
             try:
                 report = sweep.run_once()
-            except (*REDIS_ERRORS, DatabaseError) as exc:
+            except (*REDIS_ERRORS, DatabaseError) as exc:  # type: ignore[misc]  # mypy cannot unpack a tuple[type, ...]
                 # Looping, a pass that cannot reach a server is simply retried
                 # at the next one: every step is safe to repeat.
                 if interval is None:
