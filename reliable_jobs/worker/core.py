@@ -49,7 +49,7 @@ from ..tasks import discover
 from .backoff import Backoff, Outage
 from .database import EXECUTOR_THREAD_PREFIX, guard_mirror_sessions
 from .executor import Executor
-from .finisher import Finisher, Outcome, WorkerStats
+from .finisher import Finisher, WorkerStats
 from .leases import LeaseKeeper
 from .maintenance import Maintenance
 from .registry import InHand
@@ -384,4 +384,4 @@ class Worker:
                 f"{len(self.in_hand)} in hand")
 
 
-__all__ = ["Outcome", "Worker", "WorkerStats", "default_worker_id"]
+__all__ = ["Worker", "WorkerStats", "default_worker_id"]
