@@ -1,3 +1,3 @@
 """reliable_jobs: a Django Tasks backend on Redis lists that never loses a job."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
