@@ -70,7 +70,7 @@ print(hashlib.sha256(b"".join(open(p, "rb").read() for p in sys.argv[1:3])
                      + " ".join(sys.argv[3:]).encode()).hexdigest())' \
         "$root/setup.cfg" "$root/pyproject.toml" "${requirements[@]}")"
     if [[ "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
-        echo "Installing reliable-jobs[$extras] ${requirements[*]} into $venv" \
+        echo "Installing reliable-jobs[$extras]${requirements[*]:+ ${requirements[*]}} into $venv" \
              "(quietly; the first time takes a minute)." >&2
         "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
             -e "${root}[${extras}]" "${requirements[@]}"
