@@ -18,7 +18,7 @@ from datetime import timedelta
 from typing import Any
 
 from django.db import transaction
-from django.tasks import task_backends
+from reliable_jobs.compat import task_backends
 from django.utils import timezone
 from hypothesis import strategies as st
 from hypothesis.stateful import (

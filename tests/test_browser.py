@@ -2,7 +2,7 @@
 server, real Redis, real PostgreSQL and a real ``runworker`` process.
 
 Screenshots of the dashboard and of job pages are saved under ``test-artifacts/``
-(git-ignored) for the closing note. Chromium comes from apt (``.ci/run``
+(git-ignored) for the closing note. Chromium comes from apt (``scripts/test``
 installs it); ``playwright install`` is never needed.
 """
 
@@ -49,7 +49,7 @@ def browser() -> Iterator[Browser]:
     the loop and the variable away from every other test module.
     """
     if not Path(CHROMIUM).exists():
-        pytest.fail(f"{CHROMIUM} is missing: apt-get install -y chromium (.ci/run does it).")
+        pytest.fail(f"{CHROMIUM} is missing: apt-get install -y chromium (scripts/test does it when it can).")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
         with sync_playwright() as playwright:
