@@ -18,7 +18,6 @@ from datetime import timedelta
 from typing import Any
 
 from django.db import transaction
-from reliable_jobs.compat import task_backends
 from django.utils import timezone
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -31,6 +30,7 @@ from hypothesis.stateful import (
 
 from reliable_jobs import mirror, staff
 from reliable_jobs.broker import Broker, ClaimedJob, Fence, NewJob
+from reliable_jobs.compat import task_backends
 from reliable_jobs.mirror import AttemptRecord
 from reliable_jobs.models import UNFINISHED_STATES, AttemptOutcome, Job, JobState
 from reliable_jobs.sweep import Sweep

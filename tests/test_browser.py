@@ -49,7 +49,8 @@ def browser() -> Iterator[Browser]:
     the loop and the variable away from every other test module.
     """
     if not Path(CHROMIUM).exists():
-        pytest.fail(f"{CHROMIUM} is missing: apt-get install -y chromium (scripts/test does it when it can).")
+        pytest.fail(f"{CHROMIUM} is missing: apt-get install -y chromium "
+                    "(scripts/test does it when it can).")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
         with sync_playwright() as playwright:
