@@ -8,6 +8,7 @@ killed at teardown.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -169,6 +170,27 @@ class Processes:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=10)
+
+
+class RecordList(logging.Handler):
+    """Keeps every log record it is given, for a test to read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture
+def app_log() -> Iterator[list[logging.LogRecord]]:
+    """Records of the ``reliable_jobs`` logger (it does not propagate to caplog's root)."""
+    handler = RecordList()
+    logger = logging.getLogger("reliable_jobs")
+    logger.addHandler(handler)
+    yield handler.records
+    logger.removeHandler(handler)
 
 
 @pytest.fixture

@@ -72,25 +72,6 @@ def enqueued() -> Iterator[list[dict[str, Any]]]:
     task_enqueued.disconnect(receiver)
 
 
-class RecordList(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
-@pytest.fixture
-def app_log() -> Iterator[list[logging.LogRecord]]:
-    """Records of the ``reliable_jobs`` logger (it does not propagate to caplog's root)."""
-    handler = RecordList()
-    logger = logging.getLogger("reliable_jobs")
-    logger.addHandler(handler)
-    yield handler.records
-    logger.removeHandler(handler)
-
-
 def assert_nothing_written(client: redis.Redis) -> None:
     assert Job.objects.count() == 0
     assert Attempt.objects.count() == 0

@@ -190,25 +190,6 @@ def test_failover_of_a_master_loses_no_job(
 # -- a master that stops answering: enqueue never fails, workers never die ----------
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
-@pytest.fixture
-def app_log() -> Iterator[list[logging.LogRecord]]:
-    """Records of the ``reliable_jobs`` logger (it does not propagate to caplog's root)."""
-    handler = _Records()
-    logger = logging.getLogger("reliable_jobs")
-    logger.addHandler(handler)
-    yield handler.records
-    logger.removeHandler(handler)
-
-
 def queue_master(cluster: RedisClusterHarness) -> int:
     return cluster.master_port_of(QueueKeys("rj", "default").queued)
 
