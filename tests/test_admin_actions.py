@@ -180,19 +180,21 @@ def test_cancel_takes_queued_and_scheduled_jobs_off_redis(
     # When staff cancel both
     said = act(boss, "cancel_jobs", queued.id, later.id)
 
-    # Then both are cancelled in Redis: the scheduled one is gone (set and hash),
-    # the queued one is marked cancelled where it waits (cancel does not search
-    # the list) and is gone (list and hash) once a worker reaches it, never run;
-    # both are cancelled in the rows
+    # Then both are cancelled in Redis: the scheduled one is off its set and its
+    # hash is an expiring tombstone (a late push of it is refused); the queued
+    # one is marked cancelled where it waits (cancel does not search the list)
+    # and is gone (list and hash) once a worker reaches it, never run; both
+    # are cancelled in the rows
     assert said == ["Cancelled 2 jobs that had not started: they will not run."]
     assert redis_client.zrange(KEYS.scheduled, 0, -1) == []
-    assert not redis_client.exists(KEYS.job(later.id))
+    assert redis_client.hget(KEYS.job(later.id), "state") == "cancelled"
+    assert redis_client.pttl(KEYS.job(later.id)) > 0
     assert redis_client.hget(KEYS.job(queued.id), "state") == "cancelled"
     claimed = backend.broker.claim("default", count=10, lease_ms=60_000)
     assert (claimed.jobs, claimed.dead, claimed.garbage) == ([], [], [])
     assert redis_client.lrange(KEYS.queued, 0, -1) == []
     assert redis_client.lrange(KEYS.processing, 0, -1) == []
-    assert not redis_client.exists(KEYS.job(queued.id), KEYS.job(later.id))
+    assert not redis_client.exists(KEYS.job(queued.id))
     for job in Job.objects.filter(pk__in=[queued.id, later.id]):
         assert job.state == JobState.CANCELLED
         assert job.finished_at is not None
