@@ -371,28 +371,22 @@ class Broker:
 
     # -- the sweep -------------------------------------------------------
 
-    def expired(self, queue: str, *, limit: int = SWEEP_BATCH) -> tuple[int, list[Fence]]:
-        """The server's time, and the started attempts whose lease expired by then.
-
-        Read-only (see expired.lua); pass the time to :meth:`recover` as
-        ``cutoff_ms``.
-        """
+    def expired(self, queue: str, *, limit: int = SWEEP_BATCH) -> list[Fence]:
+        """Started attempts whose lease expired (read-only; see expired.lua)."""
         k = self.keys(queue)
-        now_ms, flat = self._run("expired", (k.leases, k.job_prefix), (limit,))
-        return int(now_ms), [(flat[i], int(flat[i + 1]), int(flat[i + 2]))
-                             for i in range(0, len(flat), 3)]
+        flat = self._run("expired", (k.leases, k.job_prefix), (limit,))
+        return [(flat[i], int(flat[i + 1]), int(flat[i + 2])) for i in range(0, len(flat), 3)]
 
     def recover(self, queue: str, *, lease_ms: int, limit: int = SWEEP_BATCH,
-                settle: Sequence[Settlement] = (), allowed: Sequence[Fence] | None = None,
-                cutoff_ms: int = 0) -> RecoverResult:
+                settle: Sequence[Settlement] = (), allowed: Sequence[Fence] | None = None
+                ) -> RecoverResult:
         """Settle mirrored outcomes, requeue (or bury) expired leases, lease new orphans.
 
         ``allowed`` lists the started attempts this call may requeue or bury
         (those the caller checked against the mirror); None allows every one.
-        Only leases expired by ``cutoff_ms`` (0: now) count.
         """
         k = self.keys(queue)
-        args: list[Any] = [limit, lease_ms, TOMBSTONE_MS, cutoff_ms, len(settle),
+        args: list[Any] = [limit, lease_ms, TOMBSTONE_MS, len(settle),
                            "all" if allowed is None else "listed"]
         for s in settle:
             args += (s.id, s.attempt, s.gen, s.final, s.error[:4000])

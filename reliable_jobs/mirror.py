@@ -139,6 +139,11 @@ def record(using: str, records: Iterable[AttemptRecord]) -> None:
             newest[rec.job_id] = rec
     if connections[using].vendor == "postgresql":
         with transaction.atomic(using=using), connections[using].cursor() as cursor:
+            # Rows first, in id order, as every other writer locks them: a
+            # sweep expiring one of these attempts holds its row, and an
+            # attempt INSERT that reserved its key before waiting for that row
+            # would deadlock with the sweep's own record of the attempt.
+            cursor.execute(_PG_LOCK_JOBS, [_joined(sorted(newest))])
             _pg_write_attempts(cursor, list(merged.values()))
             stop_point("in_mirror_transaction")
             _pg_write_jobs(cursor, list(newest.values()))
@@ -151,8 +156,10 @@ def record(using: str, records: Iterable[AttemptRecord]) -> None:
     now = timezone.now()
     with transaction.atomic(using=using):
         jobs = Job.objects.using(using)
-        known = {str(pk): gen for ids in _chunks(list(newest))
-                 for pk, gen in jobs.filter(pk__in=ids).values_list("pk", "generation")}
+        # Rows first, in id order (see the PostgreSQL branch); a no-op on SQLite.
+        known = {str(pk): gen for ids in _chunks(sorted(newest))
+                 for pk, gen in jobs.select_for_update(no_key=True).filter(pk__in=ids)
+                 .order_by("pk").values_list("pk", "generation")}
         _write_attempts(using, [r for r in merged.values() if known.get(r.job_id) == r.gen])
         stop_point("in_mirror_transaction")
         for rec in newest.values():
@@ -248,6 +255,11 @@ def _joined(values: Iterable[Any]) -> str:
     return _SEPARATOR + _SEPARATOR.join(
         "" if v is None else v.isoformat() if isinstance(v, datetime)
         else str(v).replace(_SEPARATOR, " ") for v in values)
+_PG_LOCK_JOBS = f"""
+SELECT 1 FROM {Job._meta.db_table}
+WHERE id = ANY({_column("uuid")}) ORDER BY id FOR NO KEY UPDATE
+"""
+
 _PG_UPSERT_ATTEMPTS = f"""
 INSERT INTO {Attempt._meta.db_table} AS a
     (job_id, number, worker_id, started_at, finished_at, outcome, error, traceback)

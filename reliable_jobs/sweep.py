@@ -134,9 +134,9 @@ class Sweep:
         broker = self.backend.broker
         database = self.backend.config.DATABASE
         lease_ms = self.backend.config.LEASE_MS
-        cutoff_ms, expired = broker.expired(queue)
+        expired = broker.expired(queue)
         if not expired:
-            return broker.recover(queue, lease_ms=lease_ms, allowed=[], cutoff_ms=cutoff_ms)
+            return broker.recover(queue, lease_ms=lease_ms, allowed=[])
         try:
             with transaction.atomic(using=database):
                 rows = mirror.lock_for_recovery(database, [job_id for job_id, _, _ in expired])
@@ -152,13 +152,13 @@ class Sweep:
                     else:
                         allowed.append((job_id, attempt, gen))
                 recovered = broker.recover(queue, lease_ms=lease_ms, settle=settle,
-                                           allowed=allowed, cutoff_ms=cutoff_ms)
+                                           allowed=allowed)
                 crash_point("sweep_after_recover")
                 mirror.record(database, self._records(recovered, report))
         except (DatabaseError, InterfaceError) as exc:
             logger.warning("Recovering only jobs that never started on queue %r: the database "
                            "is unavailable (%s).", queue, exc)
-            return broker.recover(queue, lease_ms=lease_ms, allowed=[], cutoff_ms=cutoff_ms)
+            return broker.recover(queue, lease_ms=lease_ms, allowed=[])
         return recovered
 
     @staticmethod

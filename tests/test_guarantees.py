@@ -125,6 +125,66 @@ def test_a_lease_expired_record_never_overwrites_the_outcome_of_its_attempt(
     assert Attempt.objects.get(job=row, number=1).outcome == AttemptOutcome.SUCCEEDED
 
 
+def test_a_late_outcome_waits_for_the_sweep_that_expired_its_attempt(
+    rj_settings: Any, redis_client: redis.Redis
+) -> None:
+    # Given: a started attempt whose worker stalled past its lease, and a sweep
+    # that has just requeued it and not yet mirrored that (it holds the row)
+    rj_settings()
+    backend = task_backends["default"]
+    broker: Broker = backend.broker
+    result = demo.add.enqueue(1, 2)
+    job = broker.claim("default", count=1, lease_ms=50).jobs[0]
+    assert broker.start("default", [job.fence]) == [True]
+    time.sleep(0.1)
+    recovered, go_on = threading.Event(), threading.Event()
+    real_recover = broker.recover
+
+    def recover(*args: Any, **kwargs: Any) -> Any:
+        found = real_recover(*args, **kwargs)
+        if threading.current_thread().name == "sweeper":
+            recovered.set()
+            go_on.wait(10)
+        return found
+
+    def sweep() -> None:
+        Sweep(backend).redis_pass()
+        close_old_connections()
+
+    def late_success() -> None:
+        mirror.record("default", [success(job, "A")])
+        close_old_connections()
+        written.set()
+
+    broker.recover = recover  # type: ignore[method-assign]
+    written = threading.Event()
+    sweeper = threading.Thread(target=sweep, name="sweeper")
+    writer = threading.Thread(target=late_success)
+    try:
+        sweeper.start()
+        assert recovered.wait(10)
+
+        # When: the stalled worker wakes and mirrors its success meanwhile
+        writer.start()
+
+        # Then: its write waits for the sweep's transaction ...
+        assert not written.wait(0.5)
+    finally:
+        go_on.set()
+        sweeper.join(10)
+        writer.join(10)
+        broker.recover = real_recover  # type: ignore[method-assign]
+    # ... and then cannot finish the job Redis gave away: it waits for its
+    # next attempt, and the history keeps the late result in attempt 1's error
+    assert written.is_set()
+    row = Job.objects.get(pk=result.id)
+    assert row.state == JobState.QUEUED
+    first = Attempt.objects.get(job=row, number=1)
+    assert first.outcome == AttemptOutcome.LEASE_EXPIRED
+    assert "finished this attempt late" in first.error
+    assert redis_client.lrange(KEYS.queued, 0, -1) == [job.id]
+
+
 # -- 2. tokens survive rebuilds ------------------------------------------------
 
 
@@ -291,7 +351,7 @@ def test_two_reconcilers_on_the_same_lost_rows_push_each_once(
     rj_settings: Any, redis_client: redis.Redis
 ) -> None:
     # Given: 50 jobs Redis lost, and two reconcilers walking the same rows;
-    # the first holds them between its Redis check and its push
+    # the first has seen them missing from Redis and not pushed them yet
     rj_settings()
     backend = task_backends["default"]
     broker: Broker = backend.broker
@@ -303,10 +363,11 @@ def test_two_reconcilers_on_the_same_lost_rows_push_each_once(
     real_held_states = broker.held_states
 
     def held_states(queue: str, job_ids: Any) -> Any:
+        found = real_held_states(queue, job_ids)
         if threading.current_thread().name == "first-reconciler":
             first_has_them.set()
             second_done.wait(10)
-        return real_held_states(queue, job_ids)
+        return found
 
     broker.held_states = held_states  # type: ignore[method-assign]
     reports: dict[str, Any] = {}
@@ -345,6 +406,15 @@ def process_state(pid: int) -> str:
         return ""
 
 
+def longest_idle_transaction_s() -> float:
+    """How long the oldest session of this database has sat idle inside a transaction."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT COALESCE(EXTRACT(EPOCH FROM max(now() - state_change)), 0) "
+                       "FROM pg_stat_activity WHERE state = 'idle in transaction' "
+                       "AND datname = current_database()")
+        return float(cursor.fetchone()[0])
+
+
 def longest_pause(starts: list[float], since: float, until: float) -> float:
     """The longest time in [since, until] during which none of ``starts`` happened."""
     moments = [since, *sorted(t for t in starts if since < t < until), until]
@@ -373,7 +443,11 @@ def test_a_worker_frozen_inside_its_mirror_transaction_never_stalls_the_others(
     wait_until(lambda: process_state(frozen.pid) == "T", timeout=60,
                message="worker A to freeze inside its mirror transaction")
     stopped_at = timezone.now()
-    time.sleep(5.0)
+    time.sleep(3.0)
+    # (meanwhile the server ended A's session: no transaction sits idle with
+    # its locks for longer than about half a lease)
+    assert longest_idle_transaction_s() < 2.0
+    time.sleep(2.0)
     frozen.send_signal(signal.SIGCONT)
     resumed_at = timezone.now()
     wait_until(lambda: Job.objects.filter(pk__in=[r.id for r in results],

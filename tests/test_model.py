@@ -77,6 +77,7 @@ def replay(*steps: Callable[[QueueMachine], object]) -> None:
         step(machine)
         machine.one_live_token_per_job()
         machine.finished_rows_stay_finished()
+        machine.finished_rows_are_not_waiting_in_redis()
         machine.unfinished_rows_are_reachable()
     machine.teardown()
 

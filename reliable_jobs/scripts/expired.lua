@@ -12,9 +12,8 @@
   recover.lua to settle, so a job whose success is already recorded is
   neither run again nor buried. Read-only.
 
-  Returns: { now_ms, found }: the TIME it compared leases with (the cutoff
-  the following recover call uses), and a flat list: id, attempt, gen per
-  expired lease of a 'running' job whose attempt started.
+  Returns: flat list: id, attempt, gen per expired lease of a 'running' job
+  whose attempt started.
   Errors: limit not a whole number from 0 to 2^52.
 ]]
 local leases_key = KEYS[1]
@@ -46,4 +45,4 @@ for _, job_id in ipairs(redis.call('ZRANGEBYSCORE', leases_key, '-inf', now_ms, 
     found[#found + 1] = gen_of(job[4])
   end
 end
-return { now_ms, found }
+return found

@@ -13,12 +13,10 @@
   ARGV[1] limit         expired leases handled per call at most
   ARGV[2] lease_ms      lease given to an id found on landing without one
   ARGV[3] tombstone_ms  how long a settled rebuilt job's tombstone lives
-  ARGV[4] cutoff_ms     only leases expired by then count (the TIME
-                        expired.lua read; 0 for now)
-  ARGV[5] settle_count  how many settle groups follow
-  ARGV[6] started       'all': act on every expired started attempt;
+  ARGV[4] settle_count  how many settle groups follow
+  ARGV[5] started       'all': act on every expired started attempt;
                         'listed': only on those listed after the groups
-  ARGV[7..]             settle_count groups of five, the attempts to settle:
+  ARGV[6..]             settle_count groups of five, the attempts to settle:
                         id, attempt, gen, final ('succeeded' or 'dead'),
                         error; then triples id, attempt, gen: the started
                         attempts the caller lets this call requeue or bury
@@ -29,8 +27,8 @@
   mirror holds as finished to settle, and the others as allowed to requeue
   or bury; it mirrors what happened before it lets the rows go, so a late
   outcome of the same attempt finds it recorded as expired. A started
-  attempt that expired after cutoff_ms, or that the caller did not list,
-  is left for the next pass.
+  attempt the caller did not list (its lease expired after expired.lua
+  looked, or its row was busy) is left for the next pass.
 
   Settling comes first: the attempt is finished as the mirror says, removed
   like an ack ('succeeded'; a tombstone when gen > 0, see ack.lua) or
@@ -70,7 +68,8 @@
               hash, or a damaged one) or 'dropped' (stray copy of a job
               that lives elsewhere)
     stamped   how many orphans got a first lease
-  Errors: limit, lease_ms or tombstone_ms not a whole number from 0 to 2^52, or the
+  Errors: limit, lease_ms, tombstone_ms or settle_count not a whole number
+  from 0 to 2^52, or the
   settle groups not in fives (nothing is written).
 ]]
 local queued_key = KEYS[1]
@@ -112,10 +111,9 @@ local KNOWN_STATES = {
 local limit = whole(ARGV[1], 'limit')
 local lease_ms = whole(ARGV[2], 'lease_ms')
 local tombstone_ms = math.max(1, whole(ARGV[3], 'tombstone_ms'))
-local cutoff_ms = whole(ARGV[4], 'cutoff_ms')
-local settle_count = whole(ARGV[5], 'settle_count')
-local started_mode = ARGV[6]
-local listed_from = 7 + 5 * settle_count
+local settle_count = whole(ARGV[4], 'settle_count')
+local started_mode = ARGV[5]
+local listed_from = 6 + 5 * settle_count
 if (started_mode ~= 'all' and started_mode ~= 'listed') or #ARGV < listed_from - 1
     or (#ARGV - listed_from + 1) % 3 ~= 0 then
   error({ err = 'ERR recover: expected settle_count groups of five (id, attempt, gen, final, '
@@ -124,10 +122,6 @@ end
 
 local clock = redis.call('TIME')
 local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-local expired_by = now_ms
-if cutoff_ms > 0 and cutoff_ms < now_ms then
-  expired_by = cutoff_ms
-end
 
 -- The started attempts this call may requeue or bury: id -> 'attempt:gen'.
 local allowed = {}
@@ -146,7 +140,7 @@ local function report(job_id, attempts, max_attempts, kind, gen)
   outcomes[#outcomes + 1] = gen
 end
 
-for i = 7, listed_from - 1, 5 do
+for i = 6, listed_from - 1, 5 do
   local job_id, final = ARGV[i], ARGV[i + 3]
   local job_key = job_prefix .. job_id
   local job = redis.call('HMGET', job_key, 'state', 'attempts', 'gen', 'max_attempts')
@@ -182,7 +176,7 @@ local function held_back(job_id)
   return allowed[job_id] ~= job[2] .. ':' .. (job[4] or '0')
 end
 
-local expired = redis.call('ZRANGEBYSCORE', leases_key, '-inf', expired_by, 'LIMIT', 0, limit)
+local expired = redis.call('ZRANGEBYSCORE', leases_key, '-inf', now_ms, 'LIMIT', 0, limit)
 for _, job_id in ipairs(expired) do
   if not held_back(job_id) then
     redis.call('ZREM', leases_key, job_id)
