@@ -41,14 +41,16 @@ class BackendOptions:
     #: Wall-clock limit per attempt in milliseconds, or None for no limit.
     TIMEOUT_MS: int | None = None
     #: Lease length in milliseconds: a job whose worker stops renewing for
-    #: this long is recovered by the sweep.
-    LEASE_MS: int = 30_000
+    #: this long is recovered by the sweep. Renewals come from a thread that
+    #: only talks to Redis, so a short lease costs nothing but those calls.
+    LEASE_MS: int = 10_000
     #: How often a worker renews the leases it holds, in milliseconds
     #: (default: a third of LEASE_MS).
     RENEW_INTERVAL_MS: int | None = None
     #: Jobs a worker may hold claimed beyond those running, so that one
-    #: claim script call fetches a batch.
-    PREFETCH: int = 20
+    #: claim script call fetches a batch; None (the default) follows the
+    #: jobs' pace: as many as its threads finish in about 50 ms (worker/pace.py).
+    PREFETCH: int | None = None
     #: How often a worker runs promote and recover itself, in milliseconds.
     SWEEP_INTERVAL_MS: int = 1_000
     #: Reconcile leaves a job alone until its row has been unchanged this
@@ -85,7 +87,7 @@ _MINIMUMS = {
     "RECONCILE_GRACE_MS": 0,
     "MAX_PAYLOAD_BYTES": 64,
 }
-_OPTIONAL = {"TIMEOUT_MS", "RENEW_INTERVAL_MS"}
+_OPTIONAL = {"TIMEOUT_MS", "RENEW_INTERVAL_MS", "PREFETCH"}
 
 
 def parse(raw: Any) -> BackendOptions:

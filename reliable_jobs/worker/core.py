@@ -52,6 +52,7 @@ from .executor import Executor
 from .finisher import Finisher, WorkerStats
 from .leases import LeaseKeeper
 from .maintenance import Maintenance
+from .pace import Pace
 from .registry import InHand
 
 if TYPE_CHECKING:
@@ -62,6 +63,9 @@ logger = logging.getLogger("reliable_jobs.worker")
 #: Longest single block on Redis, in seconds: bounds how late the main
 #: thread notices a signal.
 MAX_WAIT_S = 1.0
+#: Jobs that ran and wait for their mirror write and ack, at most, before the
+#: worker stops claiming.
+MAX_AWAITING_ACK = 2_000
 #: How long the finisher may take after the grace period, in seconds.
 FINISHER_GRACE_S = 10.0
 ATTEMPTS_EXHAUSTED = class_path(AttemptsExhausted)
@@ -98,6 +102,8 @@ class Worker:
         self.burst = burst
         self.max_jobs = max_jobs
         self.grace_s = grace_s
+        #: Jobs claimed beyond those running: fixed, or None to follow the
+        #: pace of the jobs (see pace.py).
         self.prefetch = self.config.PREFETCH if prefetch is None else prefetch
         self.progress = progress
         #: Stop (``gave_up``) when Redis has not answered for this long (burst runs).
@@ -121,6 +127,7 @@ class Worker:
         self._redis_outage = Outage("Redis")
         self._db_outage = Outage("The database")
         self.in_hand = InHand()
+        self.pace = Pace()
         self._buffer = JobBuffer()
         self.finisher = Finisher(
             broker=self.broker, database=self.config.DATABASE, in_hand=self.in_hand,
@@ -137,7 +144,7 @@ class Worker:
             backend=backend, worker_id=self.worker_id, buffer=self._buffer,
             in_hand=self.in_hand, finisher=self.finisher, redis_outage=self._redis_outage,
             stopping=self._stopping, hard_stop=self._hard_stop, slot_freed=self._slot_freed,
-            retry_gate=self.maintenance.retry_gate, release=self._release)
+            retry_gate=self.maintenance.retry_gate, pace=self.pace, release=self._release)
         self.lease_keeper = LeaseKeeper(
             broker=self.broker, in_hand=self.in_hand, lease_ms=self.config.LEASE_MS,
             renew_interval_ms=self.config.renew_interval_ms, worker_id=self.worker_id,
@@ -322,7 +329,18 @@ class Worker:
                 and not len(self.in_hand))
 
     def _capacity(self) -> int:
-        room = self.concurrency + self.prefetch - len(self.in_hand)
+        """How many jobs to claim now.
+
+        Jobs that ran and wait for their ack do not count against the claim
+        ahead (the mirror's commit would throttle claiming), but they are
+        bounded on their own, so a database outage cannot make a worker
+        claim without limit.
+        """
+        waiting, awaiting_ack = self.in_hand.counts()
+        if awaiting_ack >= MAX_AWAITING_ACK:
+            return 0
+        ahead = self.pace.ahead(self.concurrency) if self.prefetch is None else self.prefetch
+        room = self.concurrency + ahead - waiting
         if self.max_jobs is not None:
             room = min(room, self.max_jobs - self._claimed_total)
         return room

@@ -38,6 +38,7 @@ from ..models import AttemptOutcome, JobState
 from ..tasks import lookup
 from .backoff import Backoff, Outage
 from .finisher import Finisher, Outcome
+from .pace import Pace
 from .registry import InHand, printable
 
 if TYPE_CHECKING:
@@ -56,7 +57,7 @@ class Executor:
     def __init__(self, *, backend: ReliableJobsBackend, worker_id: str, buffer: JobBuffer,
                  in_hand: InHand, finisher: Finisher, redis_outage: Outage,
                  stopping: threading.Event, hard_stop: threading.Event,
-                 slot_freed: threading.Event, retry_gate: threading.Lock,
+                 slot_freed: threading.Event, retry_gate: threading.Lock, pace: Pace,
                  release: Callable[[list[tuple[ClaimedJob, bool]]], None]) -> None:
         self.backend = backend
         self.config = backend.config
@@ -70,6 +71,7 @@ class Executor:
         self.slot_freed = slot_freed
         self.release = release
         self.retry_gate = retry_gate
+        self.pace = pace
         self.start_marks = StartMarks(backend.broker)
 
     def run(self) -> None:
@@ -110,6 +112,8 @@ class Executor:
                 continue
             try:
                 self._execute(job)
+                self.in_hand.done(job)
+                self.slot_freed.set()  # room to claim ahead again
             finally:
                 # Like Django's request cycle: a task's database connection is
                 # closed (or kept, per CONN_MAX_AGE) when it ends, so the next
@@ -144,6 +148,12 @@ class Executor:
     def _execute(self, job: ClaimedJob) -> None:
         started_at = timezone.now()
         started_clock = time.perf_counter()
+        try:
+            self._run_task(job, started_at, started_clock)
+        finally:
+            self.pace.observe((time.perf_counter() - started_clock) * 1000)
+
+    def _run_task(self, job: ClaimedJob, started_at: datetime, started_clock: float) -> None:
         self.finisher.record(AttemptRecord(
             job_id=job.id, attempt=job.attempt, gen=job.gen, job_state=JobState.RUNNING,
             worker_id=self.worker_id, started_at=started_at))

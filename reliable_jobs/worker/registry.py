@@ -33,6 +33,8 @@ class Held:
     started: bool = False
     #: Redis refused a renewal: another worker may hold the job now.
     lost: bool = False
+    #: Its task ran; its outcome is with the finisher, on its way to the ack.
+    done: bool = False
     #: Its outcome is in the mirror: never released after this (recover
     #: settles it from the mirror if its ack does not land).
     mirrored: bool = False
@@ -49,6 +51,8 @@ class InHand:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._held: dict[HeldKey, Held] = {}
+        #: How many entries are done (kept, so counts() is O(1)).
+        self._done = 0
 
     def __len__(self) -> int:
         return len(self._held)
@@ -61,17 +65,33 @@ class InHand:
     def drop(self, jobs: Iterable[ClaimedJob]) -> None:
         with self._lock:
             for job in jobs:
-                self._held.pop(held_key(job), None)
+                held = self._held.pop(held_key(job), None)
+                if held is not None and held.done:
+                    self._done -= 1
 
     def start(self, job: ClaimedJob) -> bool:
         """Mark ``job`` running; False (and dropped) when its lease was lost meanwhile."""
         with self._lock:
             held = self._held.get(held_key(job))
             if held is None or held.lost:
-                self._held.pop(held_key(job), None)
+                if held is not None:
+                    self._held.pop(held_key(job), None)
+                    self._done -= held.done
                 return False
             held.started = True
             return True
+
+    def done(self, job: ClaimedJob) -> None:
+        with self._lock:
+            held = self._held.get(held_key(job))
+            if held is not None and not held.done:
+                held.done = True
+                self._done += 1
+
+    def counts(self) -> tuple[int, int]:
+        """(jobs not run yet or running, jobs run and waiting for their ack)."""
+        with self._lock:
+            return len(self._held) - self._done, self._done
 
     def mirrored(self, jobs: Iterable[ClaimedJob]) -> None:
         with self._lock:
