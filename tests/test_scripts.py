@@ -1315,11 +1315,11 @@ def test_expired_lists_only_started_running_attempts_whose_lease_expired(
 # -- landing: orphans of BLMOVE, found whatever processing holds ----------------------
 
 
-def lua_commands(broker: Broker, action: Callable[[], Any]) -> tuple[Any, list[list[str]]]:
-    """Run ``action`` under MONITOR; return its result and the commands its scripts ran.
+def monitor_lines(broker: Broker, action: Callable[[], Any]) -> tuple[Any, list[str]]:
+    """Run ``action`` while a MONITOR connection records every command the server runs.
 
-    Only commands run inside a script called with keys under this broker's
-    prefix count (other clients may share the server).
+    Returns the action's result and the raw MONITOR lines up to a marker
+    echoed right after it.
     """
     end = f"end-of-action-{uuid.uuid4().hex}"
     monitor_client = redis.Redis.from_url(broker.url, decode_responses=True, socket_timeout=20)
@@ -1339,9 +1339,18 @@ def lua_commands(broker: Broker, action: Callable[[], Any]) -> tuple[Any, list[l
             assert ready.wait(timeout=10)
             result = action()
             broker.client.echo(end)
-            lines = recording.result(timeout=30)
+            return result, recording.result(timeout=30)
     finally:
         monitor_client.close()
+
+
+def lua_commands(broker: Broker, action: Callable[[], Any]) -> tuple[Any, list[list[str]]]:
+    """Run ``action`` under MONITOR; return its result and the commands its scripts ran.
+
+    Only commands run inside a script called with keys under this broker's
+    prefix count (other clients may share the server).
+    """
+    result, lines = monitor_lines(broker, action)
     commands: list[list[str]] = []
     ours = False
     for line in lines:
@@ -1748,27 +1757,8 @@ def test_every_key_the_broker_passes_shares_the_queues_slot(broker: Broker) -> N
     assert key_slot(b"alpha") != key_slot(b"beta.2")
     by_sha = {hashlib.sha1(scripts.source(n).encode()).hexdigest(): n
               for n in scripts.SCRIPT_NAMES}
-    end = f"end-of-test-{uuid.uuid4().hex}"
-    monitor_client = redis.Redis.from_url(broker.url, decode_responses=True, socket_timeout=20)
-    ready = threading.Event()
-
-    def record() -> list[str]:
-        lines: list[str] = []
-        with monitor_client.monitor() as monitor:
-            ready.set()
-            while end not in (line := monitor.connection.read_response()):
-                lines.append(line)
-        return lines
-
     # When every script runs on each queue
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        recording = pool.submit(record)
-        assert ready.wait(timeout=10)
-        for queue in queues:
-            run_every_script(broker, queue)
-        broker.client.echo(end)
-        lines = recording.result(timeout=30)
-    monitor_client.close()
+    _, lines = monitor_lines(broker, lambda: [run_every_script(broker, q) for q in queues])
 
     # Then each script call named, in header order, the queue's own keys, all
     # in the queue's slot, and each command it ran touched only those keys
