@@ -31,7 +31,7 @@ from django.utils import timezone
 from django.utils.module_loading import import_string
 
 from . import conf, payload
-from .broker import REDIS_ERRORS, Broker, NewJob
+from .broker import REDIS_ERRORS, Broker, NewJob, epoch_ms
 from .compat import (
     BaseTaskBackend,
     Task,
@@ -131,7 +131,7 @@ class ReliableJobsBackend(BaseTaskBackend):
                          max_attempts=self.task_option(task, "max_attempts"), now=now,
                          shard=self._pick_shard(task.queue_name))
         mirror.insert_job(self.database, job)
-        new_job = NewJob(str(job.id), text, job.max_attempts, due_ms=_epoch_ms(task.run_after))
+        new_job = NewJob(str(job.id), text, job.max_attempts, due_ms=epoch_ms(task.run_after))
         physical = job.physical_queue
         transaction.on_commit(lambda: self._push(physical, [new_job]), using=self.database)
         result = self._result(job, task)
@@ -149,7 +149,7 @@ class ReliableJobsBackend(BaseTaskBackend):
 
         now = timezone.now()
         max_attempts = self.task_option(task, "max_attempts")
-        due_ms = _epoch_ms(task.run_after)
+        due_ms = epoch_ms(task.run_after)
         jobs: list[Any] = []
         by_shard: dict[str, list[NewJob]] = defaultdict(list)
         for args, kwargs in calls:
@@ -294,7 +294,3 @@ def _as_enqueued(task: Task[..., Any], *, queue_name: str,
     object.__setattr__(copy, "queue_name", queue_name)
     object.__setattr__(copy, "run_after", run_after)
     return copy
-
-
-def _epoch_ms(moment: datetime | None) -> int:
-    return 0 if moment is None else int(moment.timestamp() * 1000)

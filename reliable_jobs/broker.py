@@ -12,6 +12,7 @@ import os
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import redis
@@ -58,6 +59,11 @@ TOMBSTONE_MS = 3_600_000
 #: counts claims; the generation counts rebuilds from the mirror, so a token
 #: handed out before Redis lost a job never matches one handed out after.
 Fence = tuple[str, int, int]
+
+
+def epoch_ms(moment: datetime | None) -> int:
+    """A moment as ``NewJob.due_ms`` wants it: ms since the epoch, 0 for "now" (None)."""
+    return 0 if moment is None else int(moment.timestamp() * 1000)
 
 
 @dataclass(frozen=True, slots=True)

@@ -178,6 +178,11 @@ def record(using: str, records: Iterable[AttemptRecord]) -> None:
                  .order_by("pk").values_list("pk", "generation")}
         _write_attempts(using, [r for r in merged.values() if known.get(r.job_id) == r.gen])
         stop_point("in_mirror_transaction")
+        # Attempts the worker lost (see the PostgreSQL statement's NOT EXISTS).
+        lost = {(str(job_id), number) for chunk in _chunks(list(newest.values()))
+                for job_id, number in Attempt.objects.using(using).filter(
+                    _any_of((r.job_id, r.attempt) for r in chunk),
+                    outcome=AttemptOutcome.LEASE_EXPIRED).values_list("job_id", "number")}
         for rec in newest.values():
             if known.get(rec.job_id) == rec.gen:
                 fenced = jobs.filter(pk=rec.job_id, generation=rec.gen, attempts__lte=rec.attempt
@@ -186,9 +191,8 @@ def record(using: str, records: Iterable[AttemptRecord]) -> None:
                     fenced = fenced.exclude(state__in=TERMINAL_STATES)
                 else:
                     fenced = fenced.exclude(state__in=TERMINAL_STATES, attempts__gte=rec.attempt)
-                if rec.outcome != AttemptOutcome.LEASE_EXPIRED and Attempt.objects.using(
-                        using).filter(job_id=rec.job_id, number=rec.attempt,
-                                      outcome=AttemptOutcome.LEASE_EXPIRED).exists():
+                if (rec.outcome != AttemptOutcome.LEASE_EXPIRED
+                        and (rec.job_id, rec.attempt) in lost):
                     continue  # the worker lost this attempt: its late result is not the job's
                 fenced.update(**_job_changes(rec, now))
         # Like _PG_CLOSE_ABANDONED: every retried job's newest record, whatever its generation.

@@ -19,7 +19,7 @@ from django.db import DatabaseError, InterfaceError, transaction
 from django.utils import timezone
 
 from . import mirror, payload
-from .broker import Fence, NewJob, RecoverResult, Settlement
+from .broker import Fence, NewJob, RecoverResult, Settlement, epoch_ms
 from .exceptions import LeaseExpired, class_path
 from .faults import crash_point
 from .mirror import AttemptRecord
@@ -35,10 +35,6 @@ RECONCILE_BATCH = 500
 #: Redis states that mark a job as done with (see ack.lua and cancel.lua).
 TOMBSTONES = ("finished", "cancelled")
 LEASE_EXPIRED = class_path(LeaseExpired)
-
-
-def _epoch_ms(when: datetime) -> int:
-    return int(when.timestamp() * 1000)
 
 
 @dataclass
@@ -249,7 +245,7 @@ class Sweep:
             now = timezone.now()
             mirror.next_generation(database, lost_rows)
             lost = [rebuilt_job(row, max_attempts=row.max_attempts,
-                                due_ms=_epoch_ms(row.run_after) if row.run_after
+                                due_ms=epoch_ms(row.run_after) if row.run_after
                                 and row.run_after > now else 0)
                     for row in lost_rows]
             if lost:

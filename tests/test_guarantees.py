@@ -37,15 +37,11 @@ from reliable_jobs.worker.registry import InHand, printable
 from testproject.demo import tasks as demo
 
 from .conftest import Processes, wait_until
+from .helpers import backdate
 
 pytestmark = pytest.mark.django_db(transaction=True)
 KEYS = QueueKeys("rj", "default")
 CRASHED = 86  # faults.crash_point's exit code
-
-
-def backdate(*job_ids: str) -> None:
-    """Make rows old enough for reconcile (their grace period long past)."""
-    Job.objects.filter(pk__in=job_ids).update(updated_at=timezone.now() - timedelta(hours=1))
 
 
 def success(job: ClaimedJob, worker: str = "w") -> AttemptRecord:

@@ -17,12 +17,10 @@ from reliable_jobs.models import AttemptOutcome, Job, JobState
 from reliable_jobs.sweep import Sweep
 from testproject.demo import tasks as demo
 
+from .helpers import backdate
+
 pytestmark = pytest.mark.django_db(transaction=True)
 KEYS = QueueKeys("rj", "default")
-
-
-def backdate(*job_ids: str) -> None:
-    Job.objects.filter(pk__in=job_ids).update(updated_at=timezone.now() - timedelta(hours=1))
 
 
 def test_a_job_that_finishes_while_reconcile_looks_is_not_pushed_again(
