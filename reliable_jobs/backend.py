@@ -55,9 +55,10 @@ class ReliableJobsBackend(BaseTaskBackend):
     supports_defer = True
     supports_async_task = True
     supports_get_result = True
-    #: Queues are FIFO lists: a priority would be stored but not honoured,
-    #: so it is refused rather than silently ignored.
-    supports_priority = False
+    #: Django's -100..100, higher claimed first, FIFO within a priority:
+    #: priority 0 stays on the queue's plain list, every other priority in
+    #: use has a list of its own (see README "Priorities").
+    supports_priority = True
 
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         super().__init__(alias, params)
@@ -67,7 +68,8 @@ class ReliableJobsBackend(BaseTaskBackend):
     def broker(self) -> Broker:
         """The Redis side, connected lazily (importing settings opens nothing)."""
         self._raise_if_misconfigured()
-        return Broker(self.config.REDIS_URL, self.config.PREFIX)
+        return Broker(self.config.REDIS_URL, self.config.PREFIX,
+                      fair_share=self.config.FAIR_SHARE)
 
     @property
     def database(self) -> str:
@@ -131,7 +133,8 @@ class ReliableJobsBackend(BaseTaskBackend):
                          max_attempts=self.task_option(task, "max_attempts"), now=now,
                          shard=self._pick_shard(task.queue_name))
         mirror.insert_job(self.database, job)
-        new_job = NewJob(str(job.id), text, job.max_attempts, due_ms=epoch_ms(task.run_after))
+        new_job = NewJob(str(job.id), text, job.max_attempts, due_ms=epoch_ms(task.run_after),
+                         priority=task.priority)
         physical = job.physical_queue
         transaction.on_commit(lambda: self._push(physical, [new_job]), using=self.database)
         result = self._result(job, task)
@@ -159,7 +162,7 @@ class ReliableJobsBackend(BaseTaskBackend):
                              shard=self._pick_shard(task.queue_name))
             jobs.append(job)
             by_shard[job.physical_queue].append(
-                NewJob(str(job.id), text, max_attempts, due_ms=due_ms))
+                NewJob(str(job.id), text, max_attempts, due_ms=due_ms, priority=task.priority))
         with transaction.atomic(using=self.database):
             mirror.insert_jobs(self.database, jobs)
 

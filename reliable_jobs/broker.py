@@ -77,6 +77,8 @@ class NewJob:
     attempts: int = 0
     #: 0 when first enqueued; the mirror's generation when rebuilt.
     gen: int = 0
+    #: -100 to 100, higher runs first (Django's range); 0 keeps the plain list.
+    priority: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +105,8 @@ class ClaimResult:
     #: Ids found on the list with no job hash, moved aside to dead.
     garbage: list[str]
     remaining: int
+    #: Non-zero priority bands the queue had in use (0: only priority 0).
+    banded: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,9 +190,16 @@ def connect(url: str, *, socket_timeout: float | None = SOCKET_TIMEOUT_S) -> Any
 class Broker:
     """Typed access to one Redis server's queues under one key prefix."""
 
-    def __init__(self, url: str, prefix: str) -> None:
+    def __init__(self, url: str, prefix: str, *, fair_share: int = 0) -> None:
         self.url = url
         self.prefix = prefix
+        #: One claim in ``fair_share`` (while several priorities wait) takes
+        #: the job that waited longest; 0: strict priority. See claim.lua.
+        self.fair_share = fair_share
+        #: Queues this process saw with priority bands in use: a worker
+        #: waiting on one of them alone waits on its wake marker, which
+        #: every band's push signals, instead of BLMOVE on priority 0's list.
+        self._banded: set[str] = set()
         self.client = connect(url)
         #: On a cluster, multi-queue waits use markers in one shared slot.
         self.cluster = is_cluster_url(url)
@@ -264,11 +275,13 @@ class Broker:
         k = self.keys(queue)
         args: list[Any] = []
         for job in jobs:
-            args += (job.id, job.payload, job.max_attempts, job.due_ms, job.attempts, job.gen)
+            args += (job.id, job.payload, job.max_attempts, job.due_ms, job.attempts, job.gen,
+                     job.priority)
         if not args:
             return 0
-        written = sum(map(int, self._run("enqueue", (k.queued, k.scheduled, k.wake, k.job_prefix),
-                                         args)))
+        written = sum(map(int, self._run(
+            "enqueue", (k.queued, k.scheduled, k.wake, k.job_prefix, k.bands, k.band_prefix),
+            args)))
         self._wake(queue, written)
         return written
 
@@ -279,12 +292,14 @@ class Broker:
 
         One queue: ``BLMOVE queued landing`` returns the moved id, which
         the caller must stamp with :meth:`claim` (``moved_id``). Several
-        queues: one ``BLPOP`` over their wake markers (one connection for
+        queues, or one whose last claim found priority bands in use (a
+        BLMOVE on priority 0's list would not see a push onto another
+        band): one ``BLPOP`` over their wake markers (one connection for
         any number of queues); the caller then claims from the queue named.
         Returns ``(queue, moved id or None)``, or None on timeout.
         """
         client = self._blocking_client()
-        if len(queues) == 1:
+        if len(queues) == 1 and queues[0] not in self._banded:
             k = self.keys(queues[0])
             # Typing only: BLMOVE's timeout is float seconds, and the client
             # decodes replies (str, not bytes | str as redis-py's types say).
@@ -308,13 +323,20 @@ class Broker:
     def claim(
         self, queue: str, *, count: int, lease_ms: int, moved_id: str | None = None
     ) -> ClaimResult:
-        """Claim up to ``count`` jobs (plus ``moved_id``) and stamp their leases."""
+        """Claim up to ``count`` jobs (plus ``moved_id``) and stamp their leases.
+
+        Higher priorities first, FIFO within one, with the broker's fair
+        share for the job that waited longest (see claim.lua).
+        """
         k = self.keys(queue)
-        jobs_flat, dead_flat, garbage, remaining = self._run(
+        jobs_flat, dead_flat, garbage, remaining, banded = self._run(
             "claim",
-            (k.queued, k.processing, k.leases, k.dead, k.wake, k.job_prefix, k.landing),
-            (max(count, 1 if moved_id else 0), lease_ms, moved_id or ""),
+            (k.queued, k.processing, k.leases, k.dead, k.wake, k.job_prefix, k.landing,
+             k.bands, k.band_prefix, k.share, k.strays),
+            (max(count, 1 if moved_id else 0), lease_ms, moved_id or "", self.fair_share),
         )
+        if int(banded):
+            self._banded.add(queue)
         jobs = [
             ClaimedJob(queue, jobs_flat[i], int(jobs_flat[i + 1]), int(jobs_flat[i + 2]),
                        jobs_flat[i + 3], int(jobs_flat[i + 4]))
@@ -323,7 +345,7 @@ class Broker:
         dead = [(dead_flat[i], int(dead_flat[i + 1]), int(dead_flat[i + 2]))
                 for i in range(0, len(dead_flat), 3)]
         self._wake(queue, int(remaining))  # work left behind: wake the next idle worker
-        return ClaimResult(jobs, dead, list(garbage), int(remaining))
+        return ClaimResult(jobs, dead, list(garbage), int(remaining), int(banded))
 
     def start(self, queue: str, held: Sequence[Fence]) -> list[bool]:
         """Mark held attempts as started; False where the attempt is no longer held."""
@@ -348,7 +370,8 @@ class Broker:
             return []
         k = self.keys(queue)
         args = [x for entry in failed for x in entry]
-        keys = (k.queued, k.processing, k.leases, k.scheduled, k.dead, k.wake, k.job_prefix)
+        keys = (k.queued, k.processing, k.leases, k.scheduled, k.dead, k.wake, k.job_prefix,
+                k.bands, k.band_prefix)
         applied = [bool(r) for r in self._run("nack", keys, args)]
         self._wake(queue, any(ok and entry[3] == 0 for ok, entry in zip(applied, failed,
                                                                             strict=True)))
@@ -370,7 +393,7 @@ class Broker:
         k = self.keys(queue)
         args = [x for job_id, attempt, gen, started in held
                 for x in (job_id, attempt, gen, int(started))]
-        keys = (k.queued, k.processing, k.leases, k.wake, k.job_prefix)
+        keys = (k.queued, k.processing, k.leases, k.wake, k.job_prefix, k.bands, k.band_prefix)
         released = [bool(r) for r in self._run("release", keys, args)]
         self._wake(queue, any(released))
         return released
@@ -400,7 +423,8 @@ class Broker:
             args += fence
         outcomes_flat, stamped = self._run(
             "recover",
-            (k.queued, k.processing, k.leases, k.dead, k.wake, k.job_prefix, k.landing, k.scan),
+            (k.queued, k.processing, k.leases, k.dead, k.wake, k.job_prefix, k.landing, k.scan,
+             k.bands, k.band_prefix, k.strays),
             args,
         )
         outcomes = [
@@ -414,8 +438,8 @@ class Broker:
     def promote(self, queue: str, *, limit: int = SWEEP_BATCH) -> int:
         """Move due scheduled jobs onto queued."""
         k = self.keys(queue)
-        promoted = int(self._run("promote", (k.queued, k.scheduled, k.wake, k.job_prefix),
-                                 (limit,)))
+        promoted = int(self._run("promote", (k.queued, k.scheduled, k.wake, k.job_prefix,
+                                             k.bands, k.band_prefix), (limit,)))
         self._wake(queue, promoted)
         return promoted
 
@@ -442,10 +466,23 @@ class Broker:
                                      (job_id, TOMBSTONE_MS))
         return bool(cancelled), state
 
+    def reprioritize(self, queue: str, job_id: str, priority: int) -> tuple[bool, str, int]:
+        """Change a queued or scheduled job's priority; (changed, state found, old priority).
+
+        Any other state is left alone (see reprioritize.lua); so is a job
+        already at ``priority`` (changed False, its state found).
+        """
+        k = self.keys(queue)
+        changed, state, old = self._run(
+            "reprioritize", (k.queued, k.wake, k.job_prefix, k.bands, k.band_prefix, k.strays),
+            (job_id, priority))
+        self._wake(queue, int(changed) and state == "queued")
+        return bool(changed), state, int(old)
+
     def revive(self, queue: str, job_id: str, *, extra_attempts: int) -> bool:
         """Queue a dead job again with ``extra_attempts`` more attempts."""
         k = self.keys(queue)
-        keys = (k.queued, k.dead, k.wake, k.job_prefix)
+        keys = (k.queued, k.dead, k.wake, k.job_prefix, k.bands, k.band_prefix)
         revived = bool(self._run("revive", keys, (job_id, extra_attempts)))
         self._wake(queue, revived)
         return revived
@@ -453,14 +490,31 @@ class Broker:
     # -- observability ---------------------------------------------------
 
     def counts(self, queue: str) -> QueueCounts:
+        """Ids on each list; queued adds up every priority band (at most 201 lists)."""
         k = self.keys(queue)
         with self.client.pipeline(transaction=False) as pipe:
             pipe.llen(k.queued)
             pipe.llen(k.processing)
             pipe.zcard(k.scheduled)
             pipe.zcard(k.dead)
-            queued, running, scheduled, dead = pipe.execute()
+            pipe.zrange(k.bands, 0, -1)
+            queued, running, scheduled, dead, bands = pipe.execute()
+        if bands:
+            with self.client.pipeline(transaction=False) as pipe:
+                for band in bands:
+                    pipe.llen(f"{k.band_prefix}{band}")
+                queued += sum(pipe.execute())
         return QueueCounts(queued, running, scheduled, dead)
+
+    def queued_by_priority(self, queue: str) -> dict[int, int]:
+        """Ids waiting on each priority's list (copies a reprioritize left included)."""
+        k = self.keys(queue)
+        bands = [int(b) for b in self.client.zrange(k.bands, 0, -1)]
+        with self.client.pipeline(transaction=False) as pipe:
+            for band in [0, *bands]:
+                pipe.llen(k.band(band))
+            lengths = pipe.execute()
+        return {band: n for band, n in zip([0, *bands], lengths, strict=True) if n}
 
     def lease_count(self, queue: str) -> int:
         """Leases ``queue`` holds: 0 only once every claimed job was acked or recovered."""
@@ -504,8 +558,8 @@ class Broker:
     def requeue(self, queue: str, job_id: str) -> tuple[bool, str]:
         """Run a scheduled job now; returns (moved, state found, '' when no hash)."""
         k = self.keys(queue)
-        moved, state = self._run("requeue", (k.queued, k.scheduled, k.wake, k.job_prefix),
-                                 (job_id,))
+        moved, state = self._run("requeue", (k.queued, k.scheduled, k.wake, k.job_prefix,
+                                             k.bands, k.band_prefix), (job_id,))
         self._wake(queue, moved)
         return bool(moved), state
 

@@ -59,6 +59,11 @@ class BackendOptions:
     RECONCILE_GRACE_MS: int = 60_000
     #: Largest encoded arguments accepted by enqueue, in bytes.
     MAX_PAYLOAD_BYTES: int = 1024 * 1024
+    #: Starvation guard: while jobs of several priorities wait in a queue,
+    #: one claim in FAIR_SHARE takes the job that has waited longest
+    #: whatever its priority (the others go highest priority first); 0
+    #: means strict priority. See README "Priorities".
+    FAIR_SHARE: int = 10
     #: Shards per queue, e.g. {"emails": 4}: each shard is a queue of its own
     #: (its own hash tag, so its own cluster slot); unlisted queues have one.
     SHARDS: dict[str, int] = field(default_factory=dict)
@@ -86,6 +91,7 @@ _MINIMUMS = {
     "SWEEP_INTERVAL_MS": 10,
     "RECONCILE_GRACE_MS": 0,
     "MAX_PAYLOAD_BYTES": 64,
+    "FAIR_SHARE": 0,
 }
 _OPTIONAL = {"TIMEOUT_MS", "RENEW_INTERVAL_MS", "PREFETCH"}
 

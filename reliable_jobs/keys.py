@@ -83,6 +83,38 @@ class QueueKeys:
         return f"{self.base}:queued"
 
     @property
+    def bands(self) -> str:
+        """Sorted set of the non-zero priorities that have a non-empty band list.
+
+        Member and score are both the priority. Priority 0 lives on
+        :attr:`queued` itself, so a queue that never sees another priority
+        never has this key and its claims take today's path.
+        """
+        return f"{self.base}:bands"
+
+    @property
+    def band_prefix(self) -> str:
+        """A priority band's list is ``band_prefix + priority`` (a non-zero -100..100).
+
+        Scripts receive it as a KEYS entry, like :attr:`job_prefix`.
+        """
+        return f"{self.base}:band:"
+
+    def band(self, priority: int) -> str:
+        """The list of ids ready to run at ``priority`` (0: :attr:`queued`)."""
+        return self.queued if priority == 0 else f"{self.band_prefix}{priority}"
+
+    @property
+    def share(self) -> str:
+        """Counter of jobs claimed while several bands wait (the fair share's turn)."""
+        return f"{self.base}:share"
+
+    @property
+    def strays(self) -> str:
+        """Sorted set: id -> copies left behind on a band list by reprioritize.lua."""
+        return f"{self.base}:strays"
+
+    @property
     def processing(self) -> str:
         return f"{self.base}:processing"
 

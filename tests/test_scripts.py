@@ -1109,8 +1109,9 @@ def test_a_late_push_after_the_ack_of_a_rebuilt_job_is_refused(broker: Broker) -
     k = broker.keys(Q)
     rebuilt, fresh = new_job("a", attempts=2, gen=2), new_job("b")
     args = [x for j in (new_job("a"), rebuilt, fresh)
-            for x in (j.id, j.payload, j.max_attempts, j.due_ms, j.attempts, j.gen)]
-    written = broker._run("enqueue", (k.queued, k.scheduled, k.wake, k.job_prefix), args)
+            for x in (j.id, j.payload, j.max_attempts, j.due_ms, j.attempts, j.gen, j.priority)]
+    written = broker._run("enqueue", (k.queued, k.scheduled, k.wake, k.job_prefix, k.bands,
+                                      k.band_prefix), args)
 
     # Then the script answers per job: the stale push refused, the newer
     # generation replacing the tombstone (no expiry left), the new job written
@@ -1557,9 +1558,9 @@ def test_two_sweeps_at_once_requeue_each_expired_job_once(broker: Broker) -> Non
 
 #: Commands the scripts use whose first argument is their only key.
 ONE_KEY_COMMANDS = frozenset({
-    "EXISTS", "GET", "HDEL", "HGET", "HINCRBY", "HMGET", "HSET", "LLEN", "LPOS", "LPUSH",
-    "LRANGE", "LREM", "LTRIM", "PEXPIRE", "RPUSH", "SET", "ZADD", "ZRANGEBYSCORE", "ZREM",
-    "ZSCORE",
+    "EXISTS", "GET", "HDEL", "HGET", "HINCRBY", "HMGET", "HSET", "LINDEX", "LLEN", "LPOS",
+    "LPUSH", "LRANGE", "LREM", "LTRIM", "PEXPIRE", "RPUSH", "SET", "ZADD", "ZCARD", "ZINCRBY",
+    "ZRANGE", "ZRANGEBYSCORE", "ZREM", "ZREVRANGEBYSCORE", "ZSCORE",
 })
 #: Commands whose every argument is a key.
 ALL_KEY_COMMANDS = frozenset({"DEL"})
@@ -1611,7 +1612,8 @@ def header_keys(source: str) -> list[tuple[int, str]]:
     """(index, name) for each ``KEYS[i] name`` line of a script's header."""
     header = re.match(r"--\[\[(.*?)\]\]", source, flags=re.DOTALL)
     assert header, "the script does not open with a --[[ ]] header"
-    return [(int(index), "job prefix" if rest.startswith("job prefix") else rest.split()[0])
+    return [(int(index), " ".join(rest.split()[:2]) if rest.startswith(("job prefix", "band prefix"))
+             else rest.split()[0])
             for index, rest in re.findall(r"^\s*KEYS\[(\d+)\]\s+(.+)$", header.group(1),
                                           flags=re.MULTILINE)]
 
@@ -1624,7 +1626,9 @@ def key_problems(source: str) -> list[str]:
     if code.count("KEYS") != len(bound):
         problems.append("KEYS is used other than in `local name = KEYS[i]`")
     job_prefix = next((name for name in bound if name == "job_prefix"), None)
-    plain_keys = {name for name in bound if name != job_prefix}
+    # A priority band's list is band_prefix .. priority (keys.QueueKeys.band).
+    band_prefix = next((name for name in bound if name == "band_prefix"), None)
+    plain_keys = {name for name in bound if name not in (job_prefix, band_prefix)}
     job_keys: set[str] = set()
     if job_prefix:
         job_keys = set(re.findall(rf"\blocal\s+(\w+)\s*=\s*{job_prefix}\s*\.\.\s*\w+\s*$", code,
@@ -1644,6 +1648,7 @@ def key_problems(source: str) -> list[str]:
         unpacked = re.fullmatch(r"unpack\((\w+)(?:,.*)?\)", expression)
         return (expression in plain_keys or expression in job_keys
                 or bool(job_prefix and re.fullmatch(rf"{job_prefix}\s*\.\.\s*\w+", expression))
+                or bool(band_prefix and re.fullmatch(rf"{band_prefix}\s*\.\.\s*\w+", expression))
                 or bool(unpacked and unpacked.group(1) in key_tables))
 
     for arguments in redis_calls(code):
@@ -1689,7 +1694,7 @@ def test_a_script_header_names_each_keys_slot_it_binds(name: str) -> None:
     # Then the header lists KEYS[1..n] in order, and the code binds each to a
     # local named after it (queued -> queued_key, job prefix -> job_prefix)
     assert [index for index, _ in declared] == list(range(1, len(declared) + 1))
-    expected = [("job_prefix" if key == "job prefix" else f"{key}_key", str(index))
+    expected = [(key.replace(" ", "_") if key.endswith(" prefix") else f"{key}_key", str(index))
                 for index, key in declared]
     assert bound == expected
     for _, key in declared:
@@ -1748,6 +1753,10 @@ def run_every_script(broker: Broker, queue: str) -> None:
     broker.enqueue(queue, [new_job("waiting", due_ms=now_ms + 60_000)])
     broker.requeue(queue, "waiting")
     broker.purge(queue, [jobs[1].id, "gone"])
+    # Priorities: a job on a band of its own, moved to another, then claimed.
+    broker.enqueue(queue, [NewJob("urgent", "{}", 3, priority=5)])
+    broker.reprioritize(queue, "urgent", -5)
+    broker.claim(queue, count=10, lease_ms=SHORT_LEASE_MS)
 
 
 def test_every_key_the_broker_passes_shares_the_queues_slot(broker: Broker) -> None:
@@ -1786,8 +1795,9 @@ def test_every_key_the_broker_passes_shares_the_queues_slot(broker: Broker) -> N
         assert {key_slot(key.encode()) for key in keys} == {key_slot(queue.encode())}
         touched = arguments[1:] if arguments[0].upper() in ALL_KEY_COMMANDS else arguments[1:2]
         job_prefix = broker.keys(queue).job_prefix
+        band_prefix = broker.keys(queue).band_prefix
         for key in touched:
-            assert key in keys or key.startswith(job_prefix), (name, arguments)
+            assert key in keys or key.startswith((job_prefix, band_prefix)), (name, arguments)
             assert key_slot(key.encode()) == key_slot(queue.encode()), (name, key)
     # (wake.lua runs only on a cluster, on the shared wake slot: test_cluster.py)
     assert seen == set(scripts.SCRIPT_NAMES) - {"wake"}

@@ -22,6 +22,7 @@ SCRIPT_NAMES = (
     "purge",
     "recover",
     "release",
+    "reprioritize",
     "requeue",
     "revive",
     "start",

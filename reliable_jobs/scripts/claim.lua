@@ -9,6 +9,12 @@
   KEYS[6] job prefix  string job hashes are KEYS[6] .. id (same {queue} slot)
   KEYS[7] landing     list   ids a worker moved off queued with BLMOVE and
                              has not stamped yet (a few at most)
+  KEYS[8] bands       zset   non-zero priorities with a non-empty band list
+                             (member and score: the priority)
+  KEYS[9] band prefix string the list of priority p is KEYS[9] .. p
+  KEYS[10] share      string jobs claimed while several bands waited,
+                             modulo share_every (the fair share's turn)
+  KEYS[11] strays     zset   id -> copies reprioritize.lua left on a band
 
   ARGV[1] count     how many jobs to claim at most
   ARGV[2] lease_ms  lease length in milliseconds
@@ -16,6 +22,25 @@
                     (stamped first, and moved onto processing), or '' for
                     none; ignored when it is no longer on landing (a sweep
                     requeued it as an orphan while the worker stalled)
+  ARGV[4] share_every  0: strict priority. n > 0: of every n jobs claimed
+                    while more than one band waits, one is the job that has
+                    waited longest (the oldest enqueued_ms at the head of a
+                    band) whatever its priority, so no band starves
+                    (optional, 0 when absent)
+
+  Priorities: queued holds the jobs of priority 0, each other priority p
+  (-100..100) has its own list KEYS[9] .. p, listed in bands while it is not
+  empty. When bands is empty (a queue that only ever sees priority 0) the
+  claim is exactly the single-list take below. Otherwise the bands are taken
+  highest first, each from its right (FIFO within a priority), with band 0
+  (queued) between the positive and the negative ones; a band found empty
+  is taken off bands. Cost: O(bands in use), at most 201, never the queue's
+  length.
+
+  A copy of an id whose job is 'queued' at another priority than the band
+  it came from (reprioritize.lua moved it and left this copy behind) is
+  dropped; so is a copy with no hash that strays counts (its job finished
+  since): each such drop takes one off the id's count in strays.
 
   Taking the batch with LRANGE + LTRIM + LPUSH inside one script is the same
   atomic move as LMOVE, for many ids at once: an id is always on exactly one
@@ -41,9 +66,11 @@
               attempt and gen together are the fencing token
     dead      flat list: id, attempts, gen (jobs that had no attempt left)
     garbage   list of ids moved aside: no job hash, or a damaged one
-    remaining length of queued after the claim
-  Errors: count or lease_ms not a whole number from 0 to 2^52 (nothing is
-  written).
+    remaining jobs left on queued and every band after the claim
+    banded   how many non-zero bands were in use (0: the queue only ever
+             saw priority 0 lately; a worker waiting on it alone may BLMOVE)
+  Errors: count, lease_ms or share_every not a whole number from 0 to 2^52
+  (nothing is written).
 ]]
 local queued_key = KEYS[1]
 local processing_key = KEYS[2]
@@ -52,6 +79,10 @@ local dead_key = KEYS[4]
 local wake_key = KEYS[5]
 local job_prefix = KEYS[6]
 local landing_key = KEYS[7]
+local bands_key = KEYS[8]
+local band_prefix = KEYS[9]
+local share_key = KEYS[10]
+local strays_key = KEYS[11]
 
 -- A whole number from ARGV, or an error reply before anything is written.
 local function whole(value, name)
@@ -80,23 +111,63 @@ local KNOWN_STATES = {
 local count = whole(ARGV[1], 'count')
 local lease_ms = whole(ARGV[2], 'lease_ms')
 local moved_id = ARGV[3] or ''
+local share_every = whole(ARGV[4] or 0, 'share_every')
+
+-- A job's priority as its hash holds it: a whole number from -100 to 100,
+-- 0 when absent (enqueue.lua writes it only when it is not 0) or damaged.
+local function band_of(value)
+  local n = tonumber(value)
+  if n == nil or n ~= n then
+    return 0
+  end
+  return math.max(-100, math.min(100, math.floor(n)))
+end
+
+-- A copy of an id that reprioritize.lua left behind: take one off the
+-- id's count in strays; false when strays counts none.
+local function consume_stray(job_id)
+  local left = tonumber(redis.call('ZSCORE', strays_key, job_id))
+  if left == nil then
+    return false
+  end
+  if left <= 1 then
+    redis.call('ZREM', strays_key, job_id)
+  else
+    redis.call('ZINCRBY', strays_key, -1, job_id)
+  end
+  return true
+end
 
 local clock = redis.call('TIME')
 local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local deadline_ms = now_ms + lease_ms
 
 local ids = {}
+-- The band each id was taken from (by index in ids; absent: 0).
+local came_from = {}
 -- Stamping a moved id that is back on queued would leave a running job off
 -- processing, out of recover's reach: only one still on landing is taken.
 if moved_id ~= '' and redis.call('LREM', landing_key, 1, moved_id) > 0 then
   redis.call('LPUSH', processing_key, moved_id)
   ids[1] = moved_id
 end
-local wanted = count - #ids
-if wanted > 0 then
-  local taken = redis.call('LRANGE', queued_key, -wanted, -1)
+-- Move up to n (>= 1) ids from the right of a band's list (queued for 0)
+-- onto processing, the same atomic move as LMOVE for many ids at once;
+-- returns how many.
+local function take(band, n)
+  local taken
+  if band == 0 then
+    taken = redis.call('LRANGE', queued_key, -n, -1)
+    if #taken > 0 then
+      redis.call('LTRIM', queued_key, 0, -#taken - 1)
+    end
+  else
+    taken = redis.call('LRANGE', band_prefix .. band, -n, -1)
+    if #taken > 0 then
+      redis.call('LTRIM', band_prefix .. band, 0, -#taken - 1)
+    end
+  end
   if #taken > 0 then
-    redis.call('LTRIM', queued_key, 0, -#taken - 1)
     -- unpack() has a stack limit (about 8,000 values): push in chunks. A
     -- script that fails half-way is not rolled back.
     for i = 1, #taken, 1000 do
@@ -104,16 +175,92 @@ if wanted > 0 then
     end
     for i = #taken, 1, -1 do
       ids[#ids + 1] = taken[i]
+      if band ~= 0 then
+        came_from[#ids] = band
+      end
     end
+  end
+  return #taken
+end
+
+-- The id at the head (the right) of a band's list, or false when empty.
+local function head_of(band)
+  if band == 0 then
+    return redis.call('LINDEX', queued_key, -1)
+  end
+  return redis.call('LINDEX', band_prefix .. band, -1)
+end
+
+local banded = redis.call('ZCARD', bands_key)
+local wanted = count - #ids
+local bands = nil
+if wanted > 0 and banded == 0 then
+  take(0, wanted)
+elseif wanted > 0 then
+  -- Every band in use, highest first, band 0 (queued) among them.
+  bands = {}
+  for _, member in ipairs(redis.call('ZREVRANGEBYSCORE', bands_key, '+inf', '(0')) do
+    bands[#bands + 1] = tonumber(member)
+  end
+  bands[#bands + 1] = 0
+  for _, member in ipairs(redis.call('ZREVRANGEBYSCORE', bands_key, '(0', '-inf')) do
+    bands[#bands + 1] = tonumber(member)
+  end
+  -- The fair share: the claims at every share_every-th place of the count
+  -- go to the job that waited longest, one at a time.
+  local fair = 0
+  local turn = 0
+  if share_every > 0 then
+    turn = tonumber(redis.call('GET', share_key)) or 0
+    fair = math.floor((turn + wanted) / share_every) - math.floor(turn / share_every)
+  end
+  local got = 0
+  for _ = 1, fair do
+    local oldest, oldest_ms = nil, nil
+    for _, band in ipairs(bands) do
+      local head = head_of(band)
+      if head then
+        local ms = tonumber(redis.call('HGET', job_prefix .. head, 'enqueued_ms')) or 0
+        if oldest_ms == nil or ms < oldest_ms then
+          oldest, oldest_ms = band, ms
+        end
+      end
+    end
+    if oldest == nil then
+      break
+    end
+    got = got + take(oldest, 1)
+  end
+  for _, band in ipairs(bands) do
+    if got >= wanted then
+      break
+    end
+    got = got + take(band, wanted - got)
+  end
+  for _, band in ipairs(bands) do
+    if band ~= 0 and redis.call('LLEN', band_prefix .. band) == 0 then
+      redis.call('ZREM', bands_key, band)
+    end
+  end
+  if share_every > 0 then
+    redis.call('SET', share_key, (turn + got) % share_every)
   end
 end
 
 local jobs, dead, garbage, lease_args = {}, {}, {}, {}
-for _, job_id in ipairs(ids) do
+for index, job_id in ipairs(ids) do
   local job_key = job_prefix .. job_id
-  local job = redis.call('HMGET', job_key, 'state', 'attempts', 'max_attempts', 'payload', 'gen')
+  local job = redis.call('HMGET', job_key, 'state', 'attempts', 'max_attempts', 'payload', 'gen',
+    'priority')
   local gen = count_of(job[5], 0)
-  if not KNOWN_STATES[job[1]] then
+  if job[1] == false and consume_stray(job_id) then
+    -- A copy left behind by a reprioritize whose job has finished since.
+    redis.call('LREM', processing_key, 1, job_id)
+  elseif job[1] == 'queued' and band_of(job[6]) ~= (came_from[index] or 0) then
+    -- A copy left behind by a reprioritize: the job waits on another band.
+    redis.call('LREM', processing_key, 1, job_id)
+    consume_stray(job_id)
+  elseif not KNOWN_STATES[job[1]] then
     -- No hash, or a damaged one: the database still has the job, and
     -- reconcile pushes it again once its hash is gone.
     redis.call('LREM', processing_key, 1, job_id)
@@ -129,6 +276,7 @@ for _, job_id in ipairs(ids) do
     if job[1] ~= 'running'
         or #redis.call('LPOS', processing_key, job_id, 'COUNT', 2) > 1 then
       redis.call('LREM', processing_key, 1, job_id)
+      consume_stray(job_id)
     end
   else
     local attempts = count_of(job[2], 0)
@@ -161,7 +309,24 @@ for i = 1, #lease_args, 1000 do
 end
 
 local remaining = redis.call('LLEN', queued_key)
+if bands ~= nil then
+  banded = 0
+  for _, band in ipairs(bands) do
+    if band ~= 0 then
+      local left = redis.call('LLEN', band_prefix .. band)
+      remaining = remaining + left
+      if left > 0 then
+        banded = banded + 1
+      end
+    end
+  end
+elseif banded > 0 then
+  -- Nothing was wanted (count 0): count the bands all the same.
+  for _, member in ipairs(redis.call('ZRANGE', bands_key, 0, -1)) do
+    remaining = remaining + redis.call('LLEN', band_prefix .. member)
+  end
+end
 if remaining > 0 and redis.call('LLEN', wake_key) == 0 then
   redis.call('RPUSH', wake_key, '1')
 end
-return { jobs, dead, garbage, remaining }
+return { jobs, dead, garbage, remaining, banded }

@@ -1,12 +1,17 @@
 --[[
   enqueue: write job hashes and make each job runnable, in one step.
 
-  KEYS[1] queued     list   ids ready to run (producers push on the left)
-  KEYS[2] scheduled  zset   id -> due time (ms)
-  KEYS[3] wake       list   at most one marker, pushed when work arrives
-  KEYS[4] job prefix string job hashes are KEYS[4] .. id (same {queue} slot)
+  KEYS[1] queued      list   ids ready to run at priority 0 (producers push
+                             on the left)
+  KEYS[2] scheduled   zset   id -> due time (ms)
+  KEYS[3] wake        list   at most one marker, pushed when work arrives
+  KEYS[4] job prefix  string job hashes are KEYS[4] .. id (same {queue} slot)
+  KEYS[5] bands       zset   the non-zero priorities whose band list is not
+                             empty (member and score: the priority)
+  KEYS[6] band prefix string the list of priority p is KEYS[6] .. p (p a
+                             non-zero whole number from -100 to 100)
 
-  ARGV, repeated in groups of six, one group per job:
+  ARGV, repeated in groups of seven, one group per job:
     id            job id
     payload       JSON text
     max_attempts  integer >= 1
@@ -25,26 +30,34 @@
   refused by it, a push of a newer generation (a rebuild) replaces it.
 
   Returns: a list with 1 (written) or 0 (left alone) per job.
-  Errors: ARGV not in groups of six, or a gen that is not a whole number
-  from 0 to 2^31 - 1 (nothing is written).
+  Errors: ARGV not in groups of seven, a gen that is not a whole number
+  from 0 to 2^31 - 1, or a priority that is not a whole number from -100 to
+  100 (nothing is written).
 ]]
 local queued_key = KEYS[1]
 local scheduled_key = KEYS[2]
 local wake_key = KEYS[3]
 local job_prefix = KEYS[4]
+local bands_key = KEYS[5]
+local band_prefix = KEYS[6]
 
-if #ARGV % 6 ~= 0 then
-  return redis.error_reply('ERR enqueue: ARGV must come in groups of six '
-    .. '(id, payload, max_attempts, due_ms, attempts, gen)')
+if #ARGV % 7 ~= 0 then
+  return redis.error_reply('ERR enqueue: ARGV must come in groups of seven '
+    .. '(id, payload, max_attempts, due_ms, attempts, gen, priority)')
 end
 
--- Every gen must be a whole number within the mirror's integer range, before
--- anything is written.
-for i = 6, #ARGV, 6 do
+-- Every gen must be a whole number within the mirror's integer range, and
+-- every priority one within Django's, before anything is written.
+for i = 6, #ARGV, 7 do
   local gen = tonumber(ARGV[i])
   if gen == nil or gen ~= math.floor(gen) or gen < 0 or gen > 2147483647 then
     return redis.error_reply('ERR enqueue: gen must be a whole number from 0 to 2^31 - 1, not '
       .. string.sub(tostring(ARGV[i]), 1, 40))
+  end
+  local priority = tonumber(ARGV[i + 1])
+  if priority == nil or priority ~= math.floor(priority) or priority < -100 or priority > 100 then
+    return redis.error_reply('ERR enqueue: priority must be a whole number from -100 to 100, not '
+      .. string.sub(tostring(ARGV[i + 1]), 1, 40))
   end
 end
 
@@ -53,7 +66,8 @@ local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 
 local written = {}
 local ready = {}
-for i = 1, #ARGV, 6 do
+local banded = 0
+for i = 1, #ARGV, 7 do
   local job_id = ARGV[i]
   local job_key = job_prefix .. job_id
   local found = redis.call('HMGET', job_key, 'state', 'gen')
@@ -65,16 +79,24 @@ for i = 1, #ARGV, 6 do
   end
   if free then
     local due_ms = tonumber(ARGV[i + 3]) or 0
+    local priority = tonumber(ARGV[i + 6])
     local state = 'queued'
     if due_ms > now_ms then
       state = 'scheduled'
       redis.call('ZADD', scheduled_key, due_ms, job_id)
-    else
+    elseif priority == 0 then
       ready[#ready + 1] = job_id
+    else
+      redis.call('LPUSH', band_prefix .. priority, job_id)
+      redis.call('ZADD', bands_key, priority, priority)
+      banded = banded + 1
     end
     redis.call('HSET', job_key, 'state', state, 'payload', ARGV[i + 1],
       'max_attempts', ARGV[i + 2], 'attempts', ARGV[i + 4], 'gen', ARGV[i + 5],
       'enqueued_ms', now_ms)
+    if priority ~= 0 then
+      redis.call('HSET', job_key, 'priority', priority)
+    end
     written[#written + 1] = 1
   else
     written[#written + 1] = 0
@@ -85,7 +107,7 @@ end
 for i = 1, #ready, 1000 do
   redis.call('LPUSH', queued_key, unpack(ready, i, math.min(i + 999, #ready)))
 end
-if #ready > 0 and redis.call('LLEN', wake_key) == 0 then
+if #ready + banded > 0 and redis.call('LLEN', wake_key) == 0 then
   redis.call('RPUSH', wake_key, '1')
 end
 return written

@@ -8,6 +8,8 @@
   KEYS[5] dead        zset   id -> time of death (ms)
   KEYS[6] wake        list   at most one marker, pushed when work arrives
   KEYS[7] job prefix  string job hashes are KEYS[7] .. id (same {queue} slot)
+  KEYS[8] bands       zset   non-zero priorities with a non-empty band list
+  KEYS[9] band prefix string the list of priority p is KEYS[9] .. p
 
   ARGV, repeated in groups of five, one per failed attempt:
     id        job id
@@ -18,7 +20,9 @@
 
   The worker decides retry or dead (it knows attempts, max_attempts and
   whether the error is retryable); this script applies that decision only if
-  the caller still holds the job, and computes the due time from TIME.
+  the caller still holds the job, and computes the due time from TIME. A
+  retry keeps the job's priority: it goes back on its band's list (priority
+  0: queued), behind the jobs already waiting there.
 
   A delay that is not a number counts as -1 (dead); one beyond 2^52 ms is
   cut to 2^52 ms (a job due in some 140,000 years, still in scheduled).
@@ -33,6 +37,29 @@ local scheduled_key = KEYS[4]
 local dead_key = KEYS[5]
 local wake_key = KEYS[6]
 local job_prefix = KEYS[7]
+local bands_key = KEYS[8]
+local band_prefix = KEYS[9]
+
+-- A job's priority as its hash holds it: a whole number from -100 to 100,
+-- 0 when absent (enqueue.lua writes it only when it is not 0) or damaged.
+local function band_of(value)
+  local n = tonumber(value)
+  if n == nil or n ~= n then
+    return 0
+  end
+  return math.max(-100, math.min(100, math.floor(n)))
+end
+
+-- Put an id on the left of (behind the jobs waiting in) the list of its
+-- priority band: queued itself for 0, else band_prefix .. priority.
+local function push_band(job_id, priority)
+  if priority == 0 then
+    redis.call('LPUSH', queued_key, job_id)
+  else
+    redis.call('LPUSH', band_prefix .. priority, job_id)
+    redis.call('ZADD', bands_key, priority, priority)
+  end
+end
 
 if #ARGV % 5 ~= 0 then
   return redis.error_reply(
@@ -58,7 +85,7 @@ for i = 1, #ARGV, 5 do
   local job_key = job_prefix .. job_id
   local delay_ms = delay_of(ARGV[i + 3])
   local error_text = ARGV[i + 4]
-  local job = redis.call('HMGET', job_key, 'state', 'attempts', 'gen')
+  local job = redis.call('HMGET', job_key, 'state', 'attempts', 'gen', 'priority')
   if job[1] == 'running' and job[2] == ARGV[i + 1] and (job[3] or '0') == ARGV[i + 2] then
     redis.call('LREM', processing_key, -1, job_id)
     redis.call('ZREM', leases_key, job_id)
@@ -66,7 +93,7 @@ for i = 1, #ARGV, 5 do
       redis.call('ZADD', dead_key, now_ms, job_id)
       redis.call('HSET', job_key, 'state', 'dead', 'finished_ms', now_ms, 'last_error', error_text)
     elseif delay_ms == 0 then
-      redis.call('LPUSH', queued_key, job_id)
+      push_band(job_id, band_of(job[4]))
       redis.call('HSET', job_key, 'state', 'queued', 'last_error', error_text)
       queued_now = queued_now + 1
     else

@@ -5,8 +5,13 @@
   KEYS[2] scheduled   zset   id -> due time (ms, server clock)
   KEYS[3] wake        list   at most one marker, pushed when work arrives
   KEYS[4] job prefix  string job hashes are KEYS[4] .. id (same {queue} slot)
+  KEYS[5] bands       zset   non-zero priorities with a non-empty band list
+  KEYS[6] band prefix string the list of priority p is KEYS[6] .. p
 
   ARGV[1] limit  jobs promoted per call at most
+
+  A due job goes on the list of its priority (its hash's 'priority'; 0, on
+  queued, when there is none), behind the jobs already waiting there.
 
   An id whose hash is gone or not 'scheduled' (cancelled, or a stray) is
   dropped from scheduled; the database reconcile restores a real job that
@@ -19,6 +24,29 @@ local queued_key = KEYS[1]
 local scheduled_key = KEYS[2]
 local wake_key = KEYS[3]
 local job_prefix = KEYS[4]
+local bands_key = KEYS[5]
+local band_prefix = KEYS[6]
+
+-- A job's priority as its hash holds it: a whole number from -100 to 100,
+-- 0 when absent (enqueue.lua writes it only when it is not 0) or damaged.
+local function band_of(value)
+  local n = tonumber(value)
+  if n == nil or n ~= n then
+    return 0
+  end
+  return math.max(-100, math.min(100, math.floor(n)))
+end
+
+-- Put an id on the left of (behind the jobs waiting in) the list of its
+-- priority band: queued itself for 0, else band_prefix .. priority.
+local function push_band(job_id, priority)
+  if priority == 0 then
+    redis.call('LPUSH', queued_key, job_id)
+  else
+    redis.call('LPUSH', band_prefix .. priority, job_id)
+    redis.call('ZADD', bands_key, priority, priority)
+  end
+end
 
 local clock = redis.call('TIME')
 local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
@@ -29,13 +57,21 @@ local KNOWN_STATES = {
 
 local due = redis.call('ZRANGEBYSCORE', scheduled_key, '-inf', now_ms, 'LIMIT', 0, tonumber(ARGV[1]))
 local ready = {}
+local banded = 0
 for _, job_id in ipairs(due) do
   redis.call('ZREM', scheduled_key, job_id)
   local job_key = job_prefix .. job_id
-  local state = redis.call('HGET', job_key, 'state')
+  local found = redis.call('HMGET', job_key, 'state', 'priority')
+  local state = found[1]
   if state == 'scheduled' then
     redis.call('HSET', job_key, 'state', 'queued')
-    ready[#ready + 1] = job_id
+    local priority = band_of(found[2])
+    if priority == 0 then
+      ready[#ready + 1] = job_id
+    else
+      push_band(job_id, priority)
+      banded = banded + 1
+    end
   elseif not KNOWN_STATES[state] then
     redis.call('DEL', job_key)
   end
@@ -43,7 +79,7 @@ end
 for i = 1, #ready, 1000 do
   redis.call('LPUSH', queued_key, unpack(ready, i, math.min(i + 999, #ready)))
 end
-if #ready > 0 and redis.call('LLEN', wake_key) == 0 then
+if #ready + banded > 0 and redis.call('LLEN', wake_key) == 0 then
   redis.call('RPUSH', wake_key, '1')
 end
-return #ready
+return #ready + banded

@@ -9,6 +9,9 @@
   KEYS[6] job prefix  string job hashes are KEYS[6] .. id (same {queue} slot)
   KEYS[7] landing     list   ids moved off queued by BLMOVE, not yet stamped
   KEYS[8] scan        string where the walk over processing resumes
+  KEYS[9] bands       zset   non-zero priorities with a non-empty band list
+  KEYS[10] band prefix string the list of priority p is KEYS[10] .. p
+  KEYS[11] strays     zset   id -> copies reprioritize.lua left on a band
 
   ARGV[1] limit         expired leases handled per call at most
   ARGV[2] lease_ms      lease given to an id found on landing without one
@@ -57,6 +60,12 @@
   and max_attempts are read as whole numbers from 0 (1) to 2^31 - 1 (the
   mirror's integer columns), whatever the hash holds.
 
+  Every job put back keeps its priority: "queued" above means the right of
+  the list of its band (queued itself for priority 0), to run next among the
+  jobs of that priority. An id without a hash that strays counts (a copy
+  left behind by reprioritize.lua whose job has since finished) is dropped
+  ('dropped'), not buried as garbage.
+
   Safe to run concurrently with itself, workers and other sweeps: each step
   is one atomic script, and an id is acted on only if LREM found it.
 
@@ -80,6 +89,45 @@ local wake_key = KEYS[5]
 local job_prefix = KEYS[6]
 local landing_key = KEYS[7]
 local scan_key = KEYS[8]
+local bands_key = KEYS[9]
+local band_prefix = KEYS[10]
+local strays_key = KEYS[11]
+
+-- A job's priority as its hash holds it: a whole number from -100 to 100,
+-- 0 when absent (enqueue.lua writes it only when it is not 0) or damaged.
+local function band_of(value)
+  local n = tonumber(value)
+  if n == nil or n ~= n then
+    return 0
+  end
+  return math.max(-100, math.min(100, math.floor(n)))
+end
+
+-- A copy of an id that reprioritize.lua left behind: take one off the
+-- id's count in strays; false when strays counts none.
+local function consume_stray(job_id)
+  local left = tonumber(redis.call('ZSCORE', strays_key, job_id))
+  if left == nil then
+    return false
+  end
+  if left <= 1 then
+    redis.call('ZREM', strays_key, job_id)
+  else
+    redis.call('ZINCRBY', strays_key, -1, job_id)
+  end
+  return true
+end
+
+-- Put an id on the right of (to run next in) the list of its
+-- priority band: queued itself for 0, else band_prefix .. priority.
+local function push_band(job_id, priority)
+  if priority == 0 then
+    redis.call('RPUSH', queued_key, job_id)
+  else
+    redis.call('RPUSH', band_prefix .. priority, job_id)
+    redis.call('ZADD', bands_key, priority, priority)
+  end
+end
 
 -- Ids of processing inspected per call for a missing lease.
 local SCAN_SLICE = 100
@@ -185,11 +233,14 @@ for _, job_id in ipairs(expired) do
     if redis.call('LREM', landing_key, 1, job_id) > 0
         or redis.call('LREM', processing_key, -1, job_id) > 0 then
       local job_key = job_prefix .. job_id
-      local job = redis.call('HMGET', job_key, 'state', 'attempts', 'max_attempts', 'started', 'gen')
+      local job = redis.call('HMGET', job_key, 'state', 'attempts', 'max_attempts', 'started', 'gen',
+        'priority')
       local attempts = count_of(job[2], 0)
       local max_attempts = count_of(job[3], 1)
       local kind
-      if not KNOWN_STATES[job[1]] then
+      if job[1] == false and consume_stray(job_id) then
+        kind = 'dropped'
+      elseif not KNOWN_STATES[job[1]] then
         kind = 'garbage'
         redis.call('DEL', job_key)
         redis.call('ZADD', dead_key, now_ms, job_id)
@@ -197,7 +248,7 @@ for _, job_id in ipairs(expired) do
         kind = 'unstarted'
         max_attempts = math.min(max_attempts + 1, MAX_COUNT)
         redis.call('HSET', job_key, 'state', 'queued', 'max_attempts', max_attempts)
-        redis.call('RPUSH', queued_key, job_id)
+        push_band(job_id, band_of(job[6]))
         requeued = requeued + 1
       elseif job[1] == 'running' and attempts >= max_attempts then
         kind = 'dead'
@@ -208,7 +259,7 @@ for _, job_id in ipairs(expired) do
       elseif job[1] == 'running' or job[1] == 'queued' then
         if job[1] == 'running' then kind = 'expired' else kind = 'orphan' end
         redis.call('HSET', job_key, 'state', 'queued')
-        redis.call('RPUSH', queued_key, job_id)
+        push_band(job_id, band_of(job[6]))
         requeued = requeued + 1
       else
         kind = 'dropped'

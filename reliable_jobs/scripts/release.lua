@@ -6,6 +6,8 @@
   KEYS[3] leases      zset   id -> lease deadline (ms)
   KEYS[4] wake        list   at most one marker, pushed when work arrives
   KEYS[5] job prefix  string job hashes are KEYS[5] .. id (same {queue} slot)
+  KEYS[6] bands       zset   non-zero priorities with a non-empty band list
+  KEYS[7] band prefix string the list of priority p is KEYS[7] .. p
 
   ARGV, repeated in groups of four:
     id        job id
@@ -13,7 +15,8 @@
     gen       the job's generation (see enqueue.lua)
     started   1 if the task had started (interrupted), 0 if it never started
 
-  Released jobs go on the right of queued, to run next. A job that never
+  Released jobs go on the right of their priority's list (queued for 0),
+  to run next among the jobs of their priority. A job that never
   started gets its attempt back (max_attempts + 1: attempts itself never
   goes down, so a fencing token is never handed out twice), so a shutdown
   costs it nothing; an interrupted one keeps the attempt it used.
@@ -26,6 +29,29 @@ local processing_key = KEYS[2]
 local leases_key = KEYS[3]
 local wake_key = KEYS[4]
 local job_prefix = KEYS[5]
+local bands_key = KEYS[6]
+local band_prefix = KEYS[7]
+
+-- A job's priority as its hash holds it: a whole number from -100 to 100,
+-- 0 when absent (enqueue.lua writes it only when it is not 0) or damaged.
+local function band_of(value)
+  local n = tonumber(value)
+  if n == nil or n ~= n then
+    return 0
+  end
+  return math.max(-100, math.min(100, math.floor(n)))
+end
+
+-- Put an id on the right of (to run next in) the list of its
+-- priority band: queued itself for 0, else band_prefix .. priority.
+local function push_band(job_id, priority)
+  if priority == 0 then
+    redis.call('RPUSH', queued_key, job_id)
+  else
+    redis.call('RPUSH', band_prefix .. priority, job_id)
+    redis.call('ZADD', bands_key, priority, priority)
+  end
+end
 
 if #ARGV % 4 ~= 0 then
   return redis.error_reply(
@@ -49,7 +75,7 @@ local released = 0
 for i = 1, #ARGV, 4 do
   local job_id = ARGV[i]
   local job_key = job_prefix .. job_id
-  local job = redis.call('HMGET', job_key, 'state', 'attempts', 'gen')
+  local job = redis.call('HMGET', job_key, 'state', 'attempts', 'gen', 'priority')
   if job[1] == 'running' and job[2] == ARGV[i + 1] and (job[3] or '0') == ARGV[i + 2] then
     redis.call('LREM', processing_key, -1, job_id)
     redis.call('ZREM', leases_key, job_id)
@@ -60,7 +86,7 @@ for i = 1, #ARGV, 4 do
     else
       redis.call('HSET', job_key, 'state', 'queued')
     end
-    redis.call('RPUSH', queued_key, job_id)
+    push_band(job_id, band_of(job[4]))
     released = released + 1
     results[#results + 1] = 1
   else

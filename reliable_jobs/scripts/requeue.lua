@@ -5,12 +5,15 @@
   KEYS[2] scheduled   zset   id -> due time (ms)
   KEYS[3] wake        list   at most one marker, pushed when work arrives
   KEYS[4] job prefix  string job hashes are KEYS[4] .. id (same {queue} slot)
+  KEYS[5] bands       zset   non-zero priorities with a non-empty band list
+  KEYS[6] band prefix string the list of priority p is KEYS[6] .. p
 
   ARGV[1] id  job id
 
   Only a job Redis holds as 'scheduled' (a run_after or a retry delay) moves;
   any other state is reported and left alone, so a job already queued or
-  running is never pushed twice.
+  running is never pushed twice. The job keeps its priority: it goes behind
+  the jobs waiting on its band's list (queued for priority 0).
 
   Returns: { moved (1 or 0), state found ('' when no hash) }
 ]]
@@ -18,6 +21,29 @@ local queued_key = KEYS[1]
 local scheduled_key = KEYS[2]
 local wake_key = KEYS[3]
 local job_prefix = KEYS[4]
+local bands_key = KEYS[5]
+local band_prefix = KEYS[6]
+
+-- A job's priority as its hash holds it: a whole number from -100 to 100,
+-- 0 when absent (enqueue.lua writes it only when it is not 0) or damaged.
+local function band_of(value)
+  local n = tonumber(value)
+  if n == nil or n ~= n then
+    return 0
+  end
+  return math.max(-100, math.min(100, math.floor(n)))
+end
+
+-- Put an id on the left of (behind the jobs waiting in) the list of its
+-- priority band: queued itself for 0, else band_prefix .. priority.
+local function push_band(job_id, priority)
+  if priority == 0 then
+    redis.call('LPUSH', queued_key, job_id)
+  else
+    redis.call('LPUSH', band_prefix .. priority, job_id)
+    redis.call('ZADD', bands_key, priority, priority)
+  end
+end
 
 local job_id = ARGV[1]
 local job_key = job_prefix .. job_id
@@ -26,7 +52,7 @@ if state ~= 'scheduled' or redis.call('ZREM', scheduled_key, job_id) == 0 then
   return { 0, state }
 end
 redis.call('HSET', job_key, 'state', 'queued')
-redis.call('LPUSH', queued_key, job_id)
+push_band(job_id, band_of(redis.call('HGET', job_key, 'priority')))
 if redis.call('LLEN', wake_key) == 0 then
   redis.call('RPUSH', wake_key, '1')
 end

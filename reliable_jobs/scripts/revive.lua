@@ -5,12 +5,15 @@
   KEYS[2] dead        zset   id -> time of death (ms)
   KEYS[3] wake        list   at most one marker, pushed when work arrives
   KEYS[4] job prefix  string job hashes are KEYS[4] .. id (same {queue} slot)
+  KEYS[5] bands       zset   non-zero priorities with a non-empty band list
+  KEYS[6] band prefix string the list of priority p is KEYS[6] .. p
 
   ARGV[1] id             job id
   ARGV[2] extra_attempts attempts added on top of those already spent
 
   The attempts counter keeps counting (so fencing tokens never repeat and
   the history keeps every attempt); max_attempts becomes attempts + extra.
+  The job keeps its priority (queued on its band's list, queued for 0).
 
   Returns: 1 if revived, 0 if the job was not dead in Redis.
   Errors: extra_attempts not a whole number from 0 to 2^31 - 1 (nothing is
@@ -20,6 +23,29 @@ local queued_key = KEYS[1]
 local dead_key = KEYS[2]
 local wake_key = KEYS[3]
 local job_prefix = KEYS[4]
+local bands_key = KEYS[5]
+local band_prefix = KEYS[6]
+
+-- A job's priority as its hash holds it: a whole number from -100 to 100,
+-- 0 when absent (enqueue.lua writes it only when it is not 0) or damaged.
+local function band_of(value)
+  local n = tonumber(value)
+  if n == nil or n ~= n then
+    return 0
+  end
+  return math.max(-100, math.min(100, math.floor(n)))
+end
+
+-- Put an id on the left of (behind the jobs waiting in) the list of its
+-- priority band: queued itself for 0, else band_prefix .. priority.
+local function push_band(job_id, priority)
+  if priority == 0 then
+    redis.call('LPUSH', queued_key, job_id)
+  else
+    redis.call('LPUSH', band_prefix .. priority, job_id)
+    redis.call('ZADD', bands_key, priority, priority)
+  end
+end
 
 local MAX_COUNT = 2147483647
 local extra = tonumber(ARGV[2])
@@ -41,7 +67,7 @@ attempts = math.max(0, math.min(MAX_COUNT, math.floor(attempts)))
 redis.call('ZREM', dead_key, job_id)
 redis.call('HSET', job_key, 'state', 'queued', 'max_attempts', math.min(attempts + extra, MAX_COUNT))
 redis.call('HDEL', job_key, 'finished_ms')
-redis.call('LPUSH', queued_key, job_id)
+push_band(job_id, band_of(redis.call('HGET', job_key, 'priority')))
 if redis.call('LLEN', wake_key) == 0 then
   redis.call('RPUSH', wake_key, '1')
 end
