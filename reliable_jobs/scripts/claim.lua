@@ -25,7 +25,8 @@
   ARGV[4] share_every  0: strict priority. n > 0: of every n jobs claimed
                     while more than one band waits, one is the job that has
                     waited longest (the oldest enqueued_ms at the head of a
-                    band) whatever its priority, so no band starves
+                    band, the lower priority on a tie) whatever its
+                    priority, so no band starves
                     (optional, 0 when absent)
 
   Priorities: queued holds the jobs of priority 0, each other priority p
@@ -67,8 +68,9 @@
     dead      flat list: id, attempts, gen (jobs that had no attempt left)
     garbage   list of ids moved aside: no job hash, or a damaged one
     remaining jobs left on queued and every band after the claim
-    banded   how many non-zero bands were in use (0: the queue only ever
-             saw priority 0 lately; a worker waiting on it alone may BLMOVE)
+    banded   how many non-zero bands were in use when the claim began (0:
+             only priority 0 was waiting; a worker that never saw more
+             waits on this queue alone with BLMOVE)
   Errors: count, lease_ms or share_every not a whole number from 0 to 2^52
   (nothing is written).
 ]]
@@ -221,7 +223,8 @@ elseif wanted > 0 then
       local head = head_of(band)
       if head then
         local ms = tonumber(redis.call('HGET', job_prefix .. head, 'enqueued_ms')) or 0
-        if oldest_ms == nil or ms < oldest_ms then
+        -- Bands go highest first: on a tie (the same ms) the lower one wins.
+        if oldest_ms == nil or ms <= oldest_ms then
           oldest, oldest_ms = band, ms
         end
       end
@@ -310,14 +313,9 @@ end
 
 local remaining = redis.call('LLEN', queued_key)
 if bands ~= nil then
-  banded = 0
   for _, band in ipairs(bands) do
     if band ~= 0 then
-      local left = redis.call('LLEN', band_prefix .. band)
-      remaining = remaining + left
-      if left > 0 then
-        banded = banded + 1
-      end
+      remaining = remaining + redis.call('LLEN', band_prefix .. band)
     end
   end
 elseif banded > 0 then
