@@ -1,7 +1,8 @@
 """The Django admin: every job's history, its attempts, staff actions, the live dashboard.
 
-Rows are never edited here: the admin reads the mirror, and the three
-actions (retry, cancel, requeue) go through :mod:`reliable_jobs.staff`, which
+Rows are never edited here: the admin reads the mirror, and the four
+actions (retry, cancel, requeue, change priority) go through
+:mod:`reliable_jobs.staff`, which
 acts in Redis first and mirrors what Redis did. Each action has its own model
 permission and is offered on the changelist and on the job's page.
 
@@ -17,7 +18,9 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
+from django import forms
 from django.contrib import admin, messages
+from django.contrib.admin.helpers import ActionForm
 from django.core.exceptions import PermissionDenied
 from django.db.models import QuerySet
 from django.db.models.expressions import Combinable
@@ -39,6 +42,38 @@ from .models import Attempt, Job
 ACTION_LIMIT = 1_000
 #: Refusals listed one by one in the admin message before "and N more".
 MESSAGES_LISTED = 10
+
+
+class PriorityActionForm(ActionForm):
+    """The action bar, plus the new priority the "change priority" action sets."""
+
+    # Text, checked by the action itself: an invalid action form makes the
+    # admin drop the action with "No action selected", which says nothing.
+    priority = forms.CharField(
+        label=_("New priority"), required=False, max_length=20,
+        widget=forms.NumberInput(attrs={"min": staff.MIN_PRIORITY, "max": staff.MAX_PRIORITY}),
+        help_text=_("For \u201cchange priority\u201d: -100 to 100, higher runs first."))
+
+
+class PriorityFilter(admin.SimpleListFilter):
+    """Raised, default or lowered priority: three fixed choices, no DISTINCT scan."""
+
+    title = _("priority")
+    parameter_name = "priority"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, Any]]:
+        return [("raised", _("Above 0 (runs first)")), ("default", _("0 (the default)")),
+                ("lowered", _("Below 0 (runs last)"))]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Job]) -> QuerySet[Job]:
+        value = self.value()
+        if value == "raised":
+            return queryset.filter(priority__gt=0)
+        if value == "default":
+            return queryset.filter(priority=0)
+        if value == "lowered":
+            return queryset.filter(priority__lt=0)
+        return queryset
 
 
 class ReadOnlyMixin:
@@ -127,9 +162,9 @@ class AttemptInline(ReadOnlyMixin, admin.TabularInline):  # type: ignore[type-ar
 
 @admin.register(Job)
 class JobAdmin(ReadOnlyMixin, admin.ModelAdmin):  # type: ignore[type-arg]  # as AttemptInline
-    list_display = ("short_id", "task_path", "queue", "state_badge", "attempts_of", "enqueued",
-                    "started", "finished", "took", "short_error")
-    list_filter = ("state", changelist.QueueFilter, changelist.TaskFilter,
+    list_display = ("short_id", "task_path", "queue", "state_badge", "priority", "attempts_of",
+                    "enqueued", "started", "finished", "took", "short_error")
+    list_filter = ("state", PriorityFilter, changelist.QueueFilter, changelist.TaskFilter,
                    changelist.EnqueuedFilter, changelist.DriftFilter)
     search_fields = ("=id", "task_path")
     search_help_text = _("A job id (or its first 4+ characters), or part of a task path.")
@@ -139,7 +174,8 @@ class JobAdmin(ReadOnlyMixin, admin.ModelAdmin):  # type: ignore[type-arg]  # as
     paginator = changelist.EstimatedCountPaginator
     list_per_page = 50
     inlines = [AttemptInline]
-    actions = ["retry_jobs", "cancel_jobs", "requeue_jobs"]
+    actions = ["retry_jobs", "cancel_jobs", "requeue_jobs", "reprioritize_jobs"]
+    action_form = PriorityActionForm
     fieldsets = (
         (None, {"fields": ("id", "task_path", "queue", "backend", "state_badge", "attempts_of",
                            "priority")}),
@@ -246,6 +282,9 @@ class JobAdmin(ReadOnlyMixin, admin.ModelAdmin):  # type: ignore[type-arg]  # as
     def has_requeue_permission(self, request: HttpRequest) -> bool:
         return request.user.has_perm(f"{self.opts.app_label}.requeue_job")
 
+    def has_reprioritize_permission(self, request: HttpRequest) -> bool:
+        return request.user.has_perm(f"{self.opts.app_label}.reprioritize_job")
+
     @admin_action(description=_("Retry (dead jobs: queue again with a fresh attempt budget)"),
                   description_plural=_("Retry selected dead jobs"),
                   permissions=["retry"])
@@ -265,6 +304,26 @@ class JobAdmin(ReadOnlyMixin, admin.ModelAdmin):  # type: ignore[type-arg]  # as
                   permissions=["requeue"])
     def requeue_jobs(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
         self._act(request, queryset, staff.requeue, _("Requeued %(n)s jobs: they are queued now."))
+
+    @admin_action(description=_("Change priority (queued or scheduled jobs) to the new "
+                                "priority given"),
+                  description_plural=_("Change the priority of selected waiting jobs"),
+                  permissions=["reprioritize"])
+    def reprioritize_jobs(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
+        # The action bar's form on the changelist; prefixed on the job's page.
+        raw = request.POST.get("priority", request.POST.get("CHANGE_FORM-priority", ""))
+        field = forms.IntegerField(min_value=staff.MIN_PRIORITY, max_value=staff.MAX_PRIORITY)
+        try:
+            priority: int | None = field.clean(raw.strip())
+        except forms.ValidationError:
+            priority = None
+        if priority is None:
+            self.message_user(request, f"Give the new priority, a whole number from "
+                              f"{staff.MIN_PRIORITY} to {staff.MAX_PRIORITY} (not {raw!r}), "
+                              "next to the action: no job was changed.", messages.ERROR)
+            return
+        self._act(request, queryset, lambda backend, pk: staff.reprioritize(backend, pk, priority),
+                  f"%(n)s jobs now have priority {priority}.")
 
     def _act(self, request: HttpRequest, queryset: QuerySet[Job],
              operation: Callable[[Any, Any], staff.Outcome], summary: Any) -> None:

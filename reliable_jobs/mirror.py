@@ -597,6 +597,16 @@ def mark_cancelled(using: str, job_id: Any) -> None:
         state=JobState.CANCELLED, finished_at=now, updated_at=now)
 
 
+def mark_priority(using: str, job_id: Any, priority: int) -> None:
+    """Mirror a priority change Redis already applied (see reprioritize.lua).
+
+    The row's priority is what a rebuild from the mirror pushes again, so a
+    job Redis loses later comes back at the priority staff gave it.
+    """
+    Job.objects.using(using).filter(pk=job_id).update(priority=priority,
+                                                      updated_at=timezone.now())
+
+
 def lock_prunable(using: str, *, backend: str, state: str, unchanged_since: datetime,
                   limit: int) -> list[tuple[Any, str]]:
     """Lock up to ``limit`` finished ``state`` jobs unchanged since the cutoff.

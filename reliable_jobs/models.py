@@ -102,6 +102,7 @@ class Job(models.Model):
             ("retry_job", _("Can retry dead jobs")),
             ("cancel_job", _("Can cancel jobs that have not started")),
             ("requeue_job", _("Can requeue scheduled or cancelled jobs")),
+            ("reprioritize_job", _("Can change the priority of waiting jobs")),
         ]
 
     def __str__(self) -> str:

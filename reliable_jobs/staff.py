@@ -1,4 +1,4 @@
-"""Staff actions on one job: retry, cancel, requeue (the admin calls these).
+"""Staff actions on one job: retry, cancel, requeue, reprioritize (the admin calls these).
 
 Each action runs in one database transaction that first locks the job's row,
 then acts in Redis through the broker (an atomic script), then mirrors what
@@ -28,6 +28,9 @@ from .tasks import discover, lookup
 
 if TYPE_CHECKING:
     from .backend import ReliableJobsBackend
+
+#: Django's priority range (django.tasks' TASK_MIN_PRIORITY / TASK_MAX_PRIORITY).
+MIN_PRIORITY, MAX_PRIORITY = -100, 100
 
 #: Largest payload a rebuild may write: the row was accepted when it was
 #: enqueued, so a later, smaller MAX_PAYLOAD_BYTES must not strand it.
@@ -148,6 +151,43 @@ def requeue(backend: ReliableJobsBackend, job_id: Any) -> Outcome:
         mirror.mark_queued_again(database, job, max_attempts=job.max_attempts,
                                  clear_run_after=future)
     return Outcome(jid, True, f"Job {jid} was scheduled and is queued now.")
+
+
+def reprioritize(backend: ReliableJobsBackend, job_id: Any, priority: int) -> Outcome:
+    """Give a job that waits (queued or scheduled) another priority.
+
+    Redis decides (``reprioritize.lua``): a queued job moves to its new
+    priority's list, a scheduled one is promoted onto it when due, and a job
+    a worker already claimed is left alone. The row records the new
+    priority, so a rebuild from the mirror keeps it.
+    """
+    if (isinstance(priority, bool) or not isinstance(priority, int)
+            or not MIN_PRIORITY <= priority <= MAX_PRIORITY):
+        return Outcome(str(job_id), False, f"Priority {priority!r} is not a whole number from "
+                       f"{MIN_PRIORITY} to {MAX_PRIORITY}: job {job_id} was not changed.")
+    database = backend.config.DATABASE
+    with transaction.atomic(using=database):
+        job = mirror.lock_job(database, job_id)
+        if job is None:
+            return _gone(job_id)
+        jid = str(job.pk)
+        if job.state not in (JobState.QUEUED, JobState.SCHEDULED):
+            return Outcome(jid, False, f"Job {jid} is {job.state}: only a queued or scheduled "
+                           "job's priority can be changed; it was not changed.")
+        changed, found, old = backend.broker.reprioritize(job.physical_queue, jid, priority)
+        if not changed:
+            if found in (JobState.QUEUED, JobState.SCHEDULED) and old == priority:
+                if job.priority != priority:
+                    mirror.mark_priority(database, jid, priority)  # the row lagged behind
+                return Outcome(jid, False, f"Job {jid} already has priority {priority}.")
+            if not found:
+                return Outcome(jid, False, f"Job {jid} is not in Redis yet (its push is on "
+                               "the way, or the recovery sweep is rebuilding it): its priority "
+                               "was not changed; try again in a minute.")
+            return Outcome(jid, False, f"Job {jid} is {found} in Redis: its priority was not "
+                           "changed.")
+        mirror.mark_priority(database, jid, priority)
+    return Outcome(jid, True, f"Job {jid} now has priority {priority} (it had {old}).")
 
 
 def fresh_budget(backend: ReliableJobsBackend, job: Job) -> int:

@@ -83,19 +83,36 @@ def assert_nothing_written(client: redis.Redis) -> None:
 
 def test_backend_declares_each_feature(backend: ReliableJobsBackend) -> None:
     # Given: the default backend
-    # Then: deferral, coroutines and results are supported; priority is not
+    # Then: deferral, coroutines, results and priorities are supported
     assert backend.supports_defer is True
     assert backend.supports_async_task is True
     assert backend.supports_get_result is True
-    assert backend.supports_priority is False
+    assert backend.supports_priority is True
 
 
-def test_priority_other_than_zero_is_refused(backend: ReliableJobsBackend) -> None:
-    # When / Then: a priority set with using() or at decoration is refused
-    with pytest.raises(InvalidTask, match="does not support setting priority"):
-        test_tasks.noop_task.using(priority=1)
-    with pytest.raises(InvalidTask, match="does not support setting priority"):
-        task(priority=-5)(test_tasks.plain_function)
+@pytest.mark.django_db(transaction=True)
+def test_a_priority_is_stored_in_the_row_and_in_redis(
+    backend: ReliableJobsBackend, redis_client: redis.Redis
+) -> None:
+    # When: a task is enqueued at priority 7 (using()) and one at -5 (decorated)
+    raised = test_tasks.noop_task.using(priority=7).enqueue(1)
+    lowered = task(priority=-5)(test_tasks.plain_function).enqueue()
+
+    # Then: each row and each job hash holds its priority, on its band's list
+    assert Job.objects.get(pk=raised.id).priority == 7
+    assert Job.objects.get(pk=lowered.id).priority == -5
+    assert redis_client.hget(job_key(raised.id), "priority") == "7"
+    assert redis_client.lrange("rj:{default}:band:7", 0, -1) == [raised.id]
+    assert redis_client.lrange("rj:{default}:band:-5", 0, -1) == [lowered.id]
+    assert redis_client.llen(QUEUED) == 0
+
+
+def test_a_priority_outside_djangos_range_is_refused(backend: ReliableJobsBackend) -> None:
+    # When / Then: Django's own validation refuses 101 and -101
+    with pytest.raises(InvalidTask, match="priority must be a whole number"):
+        test_tasks.noop_task.using(priority=101)
+    with pytest.raises(InvalidTask, match="priority must be a whole number"):
+        task(priority=-101)(test_tasks.plain_function)
 
 
 def test_async_task_is_accepted(backend: ReliableJobsBackend) -> None:

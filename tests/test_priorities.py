@@ -208,8 +208,8 @@ def test_revive_and_staff_requeue_keep_the_priority(broker: Broker) -> None:
     # Given a dead priority 6 job, a scheduled priority 2 job and an older plain job
     enqueue(broker, ("plain", 0))
     enqueue(broker, ("dead", 6))
-    held = [j for j in broker.claim(Q, count=2, lease_ms=LONG_LEASE_MS).jobs
-            if j.id == "dead"][0]
+    held = next(j for j in broker.claim(Q, count=2, lease_ms=LONG_LEASE_MS).jobs
+                if j.id == "dead")
     assert broker.nack(Q, [(*held.fence, -1, "buried")]) == [True]
     enqueue(broker, ("plain-2", 0))
     enqueue(broker, ("waiting", 2), due_ms=broker.server_time_ms() + 60_000)
@@ -402,7 +402,7 @@ def test_reprioritize_leaves_a_job_that_does_not_wait_alone(broker: Broker, stat
     before = {key: broker.client.dump(key) for key in prefixed_keys(broker)}
 
     # When staff try to change its priority
-    changed, found, old = broker.reprioritize(Q, "j", 9)
+    changed, found, _ = broker.reprioritize(Q, "j", 9)
 
     # Then nothing changed, and the state found is reported
     assert not changed

@@ -1612,7 +1612,8 @@ def header_keys(source: str) -> list[tuple[int, str]]:
     """(index, name) for each ``KEYS[i] name`` line of a script's header."""
     header = re.match(r"--\[\[(.*?)\]\]", source, flags=re.DOTALL)
     assert header, "the script does not open with a --[[ ]] header"
-    return [(int(index), " ".join(rest.split()[:2]) if rest.startswith(("job prefix", "band prefix"))
+    prefixes = ("job prefix", "band prefix")
+    return [(int(index), " ".join(rest.split()[:2]) if rest.startswith(prefixes)
              else rest.split()[0])
             for index, rest in re.findall(r"^\s*KEYS\[(\d+)\]\s+(.+)$", header.group(1),
                                           flags=re.MULTILINE)]
