@@ -13,6 +13,7 @@ are checked after each step.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -114,6 +115,13 @@ class QueueMachine(RuleBasedStateMachine):
         self.final: dict[str, str] = {}
         #: Jobs cancelled by staff and not requeued since: they never start.
         self.cancelled: set[str] = set()
+        #: Jobs staff gave another priority (reprioritize.lua leaves a copy
+        #: behind): no copy of theirs may ever come back from a claim as garbage.
+        self.reprioritized: set[str] = set()
+        #: Jobs whose stalled on-commit push arrived late: if Redis had lost
+        #: the job meanwhile, it runs at the priority it was enqueued with
+        #: even when staff changed the row's since (docs/design.md).
+        self.pushed_late: set[str] = set()
         self.failed = False
 
     # -- helpers ---------------------------------------------------------
@@ -147,8 +155,11 @@ class QueueMachine(RuleBasedStateMachine):
         return out
 
     def take_claims(self, worker: SimWorker, jobs: list[ClaimedJob],
-                    dead: list[Fence]) -> None:
+                    dead: list[Fence], garbage: Sequence[str] = ()) -> None:
         """What the worker does with a claim's reply (worker/core.py ``_claim``)."""
+        moved = self.reprioritized.intersection(garbage)
+        if moved:
+            self.fail(f"a copy that reprioritize left behind came back as garbage: {moved}")
         rows = self.rows()
         for job in jobs:
             if job.fence in self.issued:
@@ -205,10 +216,12 @@ class QueueMachine(RuleBasedStateMachine):
             self.enqueue(deferred=later, late=False)
 
     @precondition(lambda self: len(self.jobs) < 6)
-    @rule(deferred=st.booleans(), late=st.booleans())
-    def enqueue(self, deferred: bool, late: bool) -> None:
+    @rule(deferred=st.booleans(), late=st.booleans(), priority=st.sampled_from([0, 0, 3, -3]))
+    def enqueue(self, deferred: bool, late: bool, priority: int = 0) -> None:
         """backend.enqueue in a transaction; the push runs on commit, or is held back."""
         task = demo.add
+        if priority:
+            task = task.using(priority=priority)
         if deferred:
             task = task.using(run_after=timezone.now() + timedelta(milliseconds=DEFER_MS))
         if late:
@@ -226,6 +239,7 @@ class QueueMachine(RuleBasedStateMachine):
     def late_push(self, index: int) -> None:
         """A stalled producer's on-commit push finally arrives."""
         job = self.late_pushes.pop(index % len(self.late_pushes))
+        self.pushed_late.add(job.id)
         self.backend._push(QUEUE, [job])
 
     # -- workers -----------------------------------------------------------
@@ -235,7 +249,7 @@ class QueueMachine(RuleBasedStateMachine):
         """Claim a batch; with ``start`` the executors start all of it at once."""
         worker = self.workers[k]
         result = self.broker.claim(QUEUE, count=count, lease_ms=LEASE_MS)
-        self.take_claims(worker, result.jobs, result.dead)
+        self.take_claims(worker, result.jobs, result.dead, result.garbage)
         if start:
             for job in result.jobs:
                 self.started(worker, worker.held[job.fence], record_start=True)
@@ -255,7 +269,7 @@ class QueueMachine(RuleBasedStateMachine):
         worker = waiting[k % len(waiting)]
         moved = worker.landed.pop(0)
         result = self.broker.claim(QUEUE, count=0, lease_ms=LEASE_MS, moved_id=moved)
-        self.take_claims(worker, result.jobs, result.dead)
+        self.take_claims(worker, result.jobs, result.dead, result.garbage)
 
     def claims(self, *, started: bool) -> list[tuple[SimWorker, Held]]:
         """Every claim in any worker's hand that has (not) started, in a stable order."""
@@ -422,6 +436,14 @@ class QueueMachine(RuleBasedStateMachine):
             self.cancelled.discard(job_id)
             self.final.pop(job_id, None)
 
+    @precondition(lambda self: self.jobs)
+    @rule(index=st.integers(0, 10), priority=st.sampled_from([0, 5, -5]))
+    def staff_reprioritize(self, index: int, priority: int) -> None:
+        """Staff give a job another priority (staff.reprioritize, reprioritize.lua)."""
+        job_id = self.jobs[index % len(self.jobs)]
+        if staff.reprioritize(self.backend, job_id, priority).done:
+            self.reprioritized.add(job_id)
+
     # -- invariants ----------------------------------------------------------
 
     @invariant()
@@ -481,6 +503,8 @@ class QueueMachine(RuleBasedStateMachine):
             return
         client, k = self.broker.client, self.keys
         queued = set(client.lrange(k.queued, 0, -1))
+        for band in client.zrange(k.bands, 0, -1):
+            queued |= set(client.lrange(k.band(int(band)), 0, -1))
         processing = set(client.lrange(k.processing, 0, -1))
         landing = set(client.lrange(k.landing, 0, -1))
         scheduled = set(client.zrange(k.scheduled, 0, -1))
@@ -503,6 +527,36 @@ class QueueMachine(RuleBasedStateMachine):
                       f"processing={job_id in processing}, landing={job_id in landing}, "
                       f"scheduled={job_id in scheduled}, lease={job_id in leases}")
 
+    @invariant()
+    def waiting_jobs_wait_at_their_priority(self) -> None:
+        """A queued job is on its own priority's list (or landing); Redis and the row agree.
+
+        Copies that reprioritize left on other lists are allowed (claim drops
+        them); what must hold is that the copy that runs is on the right list.
+        """
+        rows = self.rows()
+        if not rows:
+            return
+        client, k = self.broker.client, self.keys
+        landing = set(client.lrange(k.landing, 0, -1))
+        with client.pipeline(transaction=False) as pipe:
+            for job_id in rows:
+                pipe.hmget(k.job(job_id), "state", "priority")
+            found = dict(zip(rows, pipe.execute(), strict=True))
+        for job_id, (state, priority) in found.items():
+            if state not in ("queued", "scheduled"):
+                continue
+            band = int(priority or 0)
+            row = rows[job_id]
+            if row.state in (JobState.QUEUED, JobState.SCHEDULED) and row.priority != band \
+                    and job_id not in self.pushed_late:
+                self.fail(f"job {job_id} has priority {band} in Redis but {row.priority} in "
+                          "its row: a rebuild would change it")
+            if state == "queued" and job_id not in landing and \
+                    client.lpos(k.band(band), job_id) is None:
+                self.fail(f"job {job_id} is queued at priority {band} but not on that "
+                          "priority's list")
+
     # -- the end of an example: everything recovers ------------------------------
 
     def teardown(self) -> None:
@@ -522,7 +576,7 @@ class QueueMachine(RuleBasedStateMachine):
             Sweep(self.backend).reconcile()
             while True:
                 result = self.broker.claim(QUEUE, count=50, lease_ms=60_000)
-                self.take_claims(survivor, result.jobs, result.dead)
+                self.take_claims(survivor, result.jobs, result.dead, result.garbage)
                 if not result.jobs and not result.dead and not result.garbage:
                     break
             for held in list(survivor.held.values()):
