@@ -64,7 +64,8 @@ def test_the_two_queues_live_on_different_masters(cluster: RedisClusterHarness) 
         keys = QueueKeys("rj", queue)
         slots = {key_slot(k.encode()) for k in (keys.queued, keys.processing, keys.landing,
                                                  keys.leases, keys.scheduled, keys.dead,
-                                                 keys.job("x"))}
+                                                 keys.job("x"), keys.bands, keys.band(100),
+                                                 keys.band(-100), keys.share, keys.strays)}
         assert len(slots) == 1
     assert cluster.master_port_of(QueueKeys("rj", "default").queued) != cluster.master_port_of(
         QueueKeys("rj", "emails").queued)
@@ -94,6 +95,73 @@ def test_broker_scripts_and_multi_queue_wait_on_the_cluster(
         assert broker.server_time_ms() > 0
     finally:
         broker.close()
+
+
+def test_priorities_on_the_cluster_every_script_in_its_queues_slot(
+    cluster: RedisClusterHarness, cluster_env: dict[str, str]
+) -> None:
+    # Given a broker on the cluster (a script touching a key of another slot
+    # would fail there), and jobs of mixed priorities on each queue
+    broker = Broker(cluster.url, "rj")
+    payload = '{"task":"x","args":[],"kwargs":{}}'
+    try:
+        for queue in QUEUES:
+            for job_id, priority in (("plain", 0), ("high", 9), ("low", -4), ("high-2", 9)):
+                assert broker.enqueue(queue, [NewJob(f"{queue}-{job_id}", payload, 3,
+                                                     priority=priority)])
+            assert broker.enqueue(queue, [NewJob(f"{queue}-later", payload, 3, priority=50,
+                                                 due_ms=broker.server_time_ms() + 60_000)])
+
+        for queue in QUEUES:
+            # When the highest is claimed, fails and is retried, a plain job is
+            # raised above everything, and the scheduled one comes due
+            first = broker.claim(queue, count=1, lease_ms=60_000).jobs[0]
+            assert first.id == f"{queue}-high"
+            assert broker.nack(queue, [(*first.fence, 0, "boom")]) == [True]
+            assert broker.reprioritize(queue, f"{queue}-plain", 60) == (True, "queued", 0)
+            assert broker.requeue(queue, f"{queue}-later") == (True, "scheduled")
+
+            # Then the order is by priority, FIFO within one, the retry behind
+            # its equal, and the left-behind copy of the raised job dropped
+            claimed = broker.claim(queue, count=10, lease_ms=60_000)
+            assert [j.id for j in claimed.jobs] == [
+                f"{queue}-{name}" for name in ("plain", "later", "high-2", "high", "low")]
+            assert claimed.garbage == []
+            assert broker.counts(queue).queued == 0
+
+            # and recover puts an expired one back on its own band
+            broker.client.zadd(broker.keys(queue).leases, {f"{queue}-low": 0}, xx=True)
+            kinds = [o.kind for o in broker.recover(queue, lease_ms=60_000).outcomes]
+            assert kinds == ["unstarted"]
+            assert broker.queued_by_priority(queue) == {-4: 1}
+    finally:
+        broker.close()
+
+
+def test_a_worker_serving_one_queue_runs_jobs_by_priority_on_the_cluster(
+    cluster: RedisClusterHarness, cluster_env: dict[str, str], rj_settings: Any,
+    processes: Processes
+) -> None:
+    # Given jobs of mixed priorities waiting on one queue, strict priority, and
+    # a worker that claims one job at a time
+    env = rj_settings(REDIS_URL=cluster.url, queues=QUEUES, FAIR_SHARE=0, PREFETCH=0)
+    plain = [demo.add.enqueue(i, 0) for i in range(3)]
+    high = [demo.add.using(priority=10).enqueue(i, 1) for i in range(3)]
+    low = demo.add.using(priority=-10).enqueue(0, 2)
+
+    # When the worker drains the queue, then goes idle, and one more raised job
+    # arrives (its one-queue wait must see a band's push, not only queued's)
+    worker = processes.worker(env, "--queue", "default", "--concurrency", "1")
+    ids = [r.id for r in (*plain, *high, low)]
+    wait_until(lambda: finished(ids), timeout=60, message="the first jobs")
+    late = demo.add.using(priority=5).enqueue(9, 9)
+    wait_until(lambda: finished([late.id]), timeout=30, message="the late job")
+    assert processes.stop(worker) == 0
+
+    # Then they started highest priority first, in enqueue order within one
+    started = list(Job.objects.filter(pk__in=ids).order_by("started_at")
+                   .values_list("pk", flat=True))
+    assert [str(pk) for pk in started] == [r.id for r in (*high, *plain, low)]
 
 
 def test_worker_serving_two_queues_runs_jobs_on_the_cluster(
