@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 import redis
 
+from reliable_jobs import conf
+from reliable_jobs.backend import ReliableJobsBackend
 from reliable_jobs.broker import Broker, NewJob
 from tests.conftest import REDIS_URL
 
@@ -442,3 +444,28 @@ def test_an_idle_worker_wakes_for_a_job_on_another_band(broker: Broker) -> None:
     assert not waiter.is_alive()
     assert woken == [(Q, None)]
     assert claim_ids(broker) == ["second"]
+
+
+# -- settings -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, "10", True])
+def test_a_bad_fair_share_is_reported_by_the_checks(value: object) -> None:
+    # When OPTIONS holds a FAIR_SHARE that is not a whole number >= 0
+    options = conf.parse({"FAIR_SHARE": value})
+
+    # Then the system check reports it, and the default (10) is used meanwhile
+    assert ("reliable_jobs.E003", f"OPTIONS['FAIR_SHARE'] must be a whole number >= 0, "
+            f"not {value!r}.") in options.problems
+    assert options.FAIR_SHARE == 10
+
+
+def test_the_backend_hands_its_fair_share_to_the_broker() -> None:
+    # Given a backend configured for strict priority
+    backend = ReliableJobsBackend("prio", {"QUEUES": ["default"], "OPTIONS": {
+        "REDIS_URL": REDIS_URL, "FAIR_SHARE": 0}})
+    try:
+        # Then its broker claims in strict order
+        assert backend.broker.fair_share == 0
+    finally:
+        backend.broker.close()
