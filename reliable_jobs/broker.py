@@ -45,6 +45,10 @@ WORKER_INDEX_KEEP_MS = 3_600_000
 #: the cluster client's own errors are not RedisErrors.
 REDIS_ERRORS: tuple[type[Exception], ...] = (redis.RedisError, RedisClusterException)
 
+#: Ids latency.lua reads at most from a queue's oldest end, past cancelled
+#: tombstones and stray copies, to find the oldest job that will run.
+LATENCY_LOOK = 20
+
 #: Retries of a call on a Redis Cluster after a connection error or timeout.
 CLUSTER_RETRIES = 1
 
@@ -89,6 +93,8 @@ class ClaimedJob:
     max_attempts: int
     payload: str
     gen: int = 0
+    #: How long the job was ready before this claim (ms, server clock), -1 unknown.
+    waited_ms: int = field(default=-1, compare=False)
 
     @property
     def fence(self) -> Fence:
@@ -133,6 +139,24 @@ class Settlement:
 class RecoverResult:
     outcomes: list[RecoveredJob]
     stamped: int
+
+
+@dataclass(frozen=True, slots=True)
+class Latency:
+    """How long one physical queue's oldest jobs have waited (see latency.lua).
+
+    Ages are in ms on the Redis server's clock, None when there is no such
+    job: an empty queue, or nothing scheduled that is due.
+    """
+
+    queue: str
+    queued: int
+    #: Age of the oldest job ready to run (queued), from when it became ready.
+    oldest_ready_ms: int | None
+    #: How long the oldest scheduled job that is due has waited for promotion.
+    oldest_due_ms: int | None
+    oldest_ready_id: str = ""
+    oldest_due_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -317,8 +341,8 @@ class Broker:
         )
         jobs = [
             ClaimedJob(queue, jobs_flat[i], int(jobs_flat[i + 1]), int(jobs_flat[i + 2]),
-                       jobs_flat[i + 3], int(jobs_flat[i + 4]))
-            for i in range(0, len(jobs_flat), 5)
+                       jobs_flat[i + 3], int(jobs_flat[i + 4]), int(jobs_flat[i + 5]))
+            for i in range(0, len(jobs_flat), 6)
         ]
         dead = [(dead_flat[i], int(dead_flat[i + 1]), int(dead_flat[i + 2]))
                 for i in range(0, len(dead_flat), 3)]
@@ -461,6 +485,23 @@ class Broker:
             pipe.zcard(k.dead)
             queued, running, scheduled, dead = pipe.execute()
         return QueueCounts(queued, running, scheduled, dead)
+
+    def latency(self, queue: str, *, look: int = LATENCY_LOOK) -> Latency:
+        """The age of ``queue``'s oldest ready job and oldest due scheduled job.
+
+        One read-only script call: O(``look``) at the queued list's oldest
+        end and O(log n) on the scheduled set, whatever their length.
+        """
+        k = self.keys(queue)
+        now_ms, queued, ready_id, ready_ms, due_id, due_ms = self._run(
+            "latency", (k.queued, k.scheduled, k.job_prefix), (look,))
+        ready_ms, due_ms, now_ms = int(ready_ms), int(due_ms), int(now_ms)
+        return Latency(
+            queue, int(queued),
+            oldest_ready_ms=max(0, now_ms - ready_ms) if ready_id and ready_ms else None,
+            oldest_due_ms=max(0, now_ms - due_ms) if due_id else None,
+            oldest_ready_id=ready_id, oldest_due_id=due_id,
+        )
 
     def lease_count(self, queue: str) -> int:
         """Leases ``queue`` holds: 0 only once every claimed job was acked or recovered."""

@@ -62,6 +62,10 @@ class BackendOptions:
     #: Shards per queue, e.g. {"emails": 4}: each shard is a queue of its own
     #: (its own hash tag, so its own cluster slot); unlisted queues have one.
     SHARDS: dict[str, int] = field(default_factory=dict)
+    #: A queue whose oldest ready (or due scheduled) job has waited longer
+    #: than this, in milliseconds, is shown in the warning colour on the
+    #: dashboard and flagged by jobstats; None turns the warning off.
+    LATENCY_WARNING_MS: int | None = 60_000
     #: What parse() found wrong, as (check id, message) pairs.
     problems: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
@@ -86,8 +90,9 @@ _MINIMUMS = {
     "SWEEP_INTERVAL_MS": 10,
     "RECONCILE_GRACE_MS": 0,
     "MAX_PAYLOAD_BYTES": 64,
+    "LATENCY_WARNING_MS": 1,
 }
-_OPTIONAL = {"TIMEOUT_MS", "RENEW_INTERVAL_MS", "PREFETCH"}
+_OPTIONAL = {"TIMEOUT_MS", "RENEW_INTERVAL_MS", "PREFETCH", "LATENCY_WARNING_MS"}
 
 
 def parse(raw: Any) -> BackendOptions:

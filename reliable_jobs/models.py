@@ -137,8 +137,13 @@ class Attempt(models.Model):
         constraints = [
             models.UniqueConstraint(fields=["job", "number"], name="rj_attempt_job_number"),
         ]
-        # The dashboard's throughput per minute reads the last hour of attempts.
-        indexes = [models.Index(fields=["finished_at"], name="rj_attempt_finished")]
+        # The dashboard's throughput per minute reads the last hour of attempts;
+        # the per-task figures (taskstats.py) read it and the attempts still open.
+        indexes = [
+            models.Index(fields=["finished_at"], name="rj_attempt_finished"),
+            models.Index(fields=["started_at"], condition=models.Q(outcome=""),
+                         name="rj_attempt_open"),
+        ]
 
     def __str__(self) -> str:
         return f"attempt {self.number} of {self.job_id}"

@@ -17,6 +17,7 @@ SCRIPT_NAMES = (
     "enqueue",
     "expired",
     "extend",
+    "latency",
     "nack",
     "promote",
     "purge",

@@ -37,8 +37,10 @@
   always reads the same as the one returned.
 
   Returns: { jobs, dead, garbage, remaining }
-    jobs      flat list: id, attempt, max_attempts, payload, gen (per job);
-              attempt and gen together are the fencing token
+    jobs      flat list: id, attempt, max_attempts, payload, gen, waited_ms
+              (per job); attempt and gen together are the fencing token;
+              waited_ms is how long the job was ready before this claim
+              (see latency.lua), -1 when its hash holds no time
     dead      flat list: id, attempts, gen (jobs that had no attempt left)
     garbage   list of ids moved aside: no job hash, or a damaged one
     remaining length of queued after the claim
@@ -111,7 +113,8 @@ end
 local jobs, dead, garbage, lease_args = {}, {}, {}, {}
 for _, job_id in ipairs(ids) do
   local job_key = job_prefix .. job_id
-  local job = redis.call('HMGET', job_key, 'state', 'attempts', 'max_attempts', 'payload', 'gen')
+  local job = redis.call('HMGET', job_key, 'state', 'attempts', 'max_attempts', 'payload', 'gen',
+    'ready_ms', 'enqueued_ms')
   local gen = count_of(job[5], 0)
   if not KNOWN_STATES[job[1]] then
     -- No hash, or a damaged one: the database still has the job, and
@@ -153,6 +156,8 @@ for _, job_id in ipairs(ids) do
       jobs[#jobs + 1] = max_attempts
       jobs[#jobs + 1] = job[4] or ''
       jobs[#jobs + 1] = gen
+      local ready_ms = tonumber(job[6]) or tonumber(job[7])
+      jobs[#jobs + 1] = ready_ms and math.max(0, now_ms - ready_ms) or -1
     end
   end
 end

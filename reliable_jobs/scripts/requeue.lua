@@ -10,7 +10,8 @@
 
   Only a job Redis holds as 'scheduled' (a run_after or a retry delay) moves;
   any other state is reported and left alone, so a job already queued or
-  running is never pushed twice.
+  running is never pushed twice. The job's 'ready_ms' becomes now (see
+  latency.lua).
 
   Returns: { moved (1 or 0), state found ('' when no hash) }
 ]]
@@ -25,7 +26,9 @@ local state = redis.call('HGET', job_key, 'state') or ''
 if state ~= 'scheduled' or redis.call('ZREM', scheduled_key, job_id) == 0 then
   return { 0, state }
 end
-redis.call('HSET', job_key, 'state', 'queued')
+local clock = redis.call('TIME')
+redis.call('HSET', job_key, 'state', 'queued',
+  'ready_ms', tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000))
 redis.call('LPUSH', queued_key, job_id)
 if redis.call('LLEN', wake_key) == 0 then
   redis.call('RPUSH', wake_key, '1')
