@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from datetime import datetime
+from functools import partial
 from typing import Any
 
 from django.contrib import admin, messages
@@ -29,7 +30,7 @@ from django.utils.html import format_html
 from django.utils.safestring import SafeString
 from django.utils.translation import gettext_lazy as _
 
-from . import changelist, dashboard, staff
+from . import changelist, dashboard, staff, taskpage
 from .broker import REDIS_ERRORS
 from .compat import admin_action
 from .models import Attempt, Job
@@ -313,9 +314,13 @@ class JobAdmin(ReadOnlyMixin, admin.ModelAdmin):  # type: ignore[type-arg]  # as
     def get_urls(self) -> list[URLPattern]:
         view = self.admin_site.admin_view(self.dashboard_view)
         name = f"{self.opts.app_label}_{self.opts.model_name}_dashboard"
+        tasks_view = self.admin_site.admin_view(partial(taskpage.task_stats_view, self))
+        tasks_name = f"{self.opts.app_label}_{self.opts.model_name}_task_stats"
         return [
             path("dashboard/", view, name=name),
             path("dashboard/<str:alias>/", view, name=name),
+            path("tasks/", tasks_view, name=tasks_name),
+            path("tasks/<str:alias>/", tasks_view, name=tasks_name),
             *super().get_urls(),
         ]
 
@@ -343,6 +348,8 @@ class JobAdmin(ReadOnlyMixin, admin.ModelAdmin):  # type: ignore[type-arg]  # as
             "peak": peak,
             "changelist_url": changelist_url,
             "drift_url": f"{changelist_url}?drift={alias}",
+            "taskstats_url": reverse(f"{self.admin_site.name}:{self.opts.app_label}_"
+                                     f"{self.opts.model_name}_task_stats", args=[alias]),
             "prefix": backend.config.PREFIX,
         }
         return TemplateResponse(request, "admin/reliable_jobs/job/dashboard.html", context)
