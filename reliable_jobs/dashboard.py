@@ -26,7 +26,7 @@ from django.db.models.functions import TruncMinute
 from django.utils import timezone
 
 from .broker import REDIS_ERRORS
-from .keys import logical_queue, shard_queue
+from .keys import logical_queue, shard_index, shard_queue
 from .models import FAILED_OUTCOMES, UNFINISHED_STATES, Attempt, AttemptOutcome, Job, JobState
 
 if TYPE_CHECKING:
@@ -57,6 +57,11 @@ class QueueLine:
     due_late: bool = field(default=False, compare=False)
     #: One line per shard of a sharded queue (empty for an unsharded one).
     shards: tuple[QueueLine, ...] = field(default=(), compare=False)
+
+    @property
+    def shard(self) -> int:
+        """The shard number, when this line is one shard of a queue (0 otherwise)."""
+        return shard_index(self.name)
 
     @property
     def late(self) -> bool:
@@ -131,12 +136,7 @@ class Snapshot:
 
     @property
     def totals(self) -> QueueLine:
-        return QueueLine("all", *(sum(getattr(q, f) for q in self.queues)
-                                  for f in ("queued", "running", "scheduled", "dead")),
-                         oldest_ready_ms=_oldest(q.oldest_ready_ms for q in self.queues),
-                         oldest_due_ms=_oldest(q.oldest_due_ms for q in self.queues),
-                         ready_late=any(q.ready_late for q in self.queues),
-                         due_late=any(q.due_late for q in self.queues))
+        return combined("all", self.queues)
 
     @property
     def late_queues(self) -> list[QueueLine]:
@@ -208,14 +208,20 @@ def queue_counts(backend: ReliableJobsBackend) -> list[QueueLine]:
                                     oldest_due_ms=lat.oldest_due_ms,
                                     ready_late=is_late(warn_ms, lat.oldest_ready_ms),
                                     due_late=is_late(warn_ms, lat.oldest_due_ms)))
-        lines.append(QueueLine(queue, *(sum(getattr(c, f) for c in shards)
-                                        for f in ("queued", "running", "scheduled", "dead")),
-                               oldest_ready_ms=_oldest(c.oldest_ready_ms for c in shards),
-                               oldest_due_ms=_oldest(c.oldest_due_ms for c in shards),
-                               ready_late=any(c.ready_late for c in shards),
-                               due_late=any(c.due_late for c in shards),
-                               shards=tuple(shards) if len(shards) > 1 else ()))
+        lines.append(combined(queue, shards, keep_parts=len(shards) > 1))
     return lines
+
+
+def combined(name: str, parts: Sequence[QueueLine], *, keep_parts: bool = False) -> QueueLine:
+    """One line for several: counts summed, ages the oldest, late if any part is."""
+    return QueueLine(
+        name, queued=sum(p.queued for p in parts), running=sum(p.running for p in parts),
+        scheduled=sum(p.scheduled for p in parts), dead=sum(p.dead for p in parts),
+        oldest_ready_ms=_oldest(p.oldest_ready_ms for p in parts),
+        oldest_due_ms=_oldest(p.oldest_due_ms for p in parts),
+        ready_late=any(p.ready_late for p in parts), due_late=any(p.due_late for p in parts),
+        shards=tuple(parts) if keep_parts else (),
+    )
 
 
 def is_late(warn_ms: int | None, age_ms: int | None) -> bool:

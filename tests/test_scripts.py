@@ -1734,6 +1734,7 @@ def run_every_script(broker: Broker, queue: str) -> None:
                            new_job("later", due_ms=now_ms + 60_000),
                            new_job("soon", due_ms=now_ms - 1)])
     broker.promote(queue)
+    broker.latency(queue)
     jobs = broker.claim(queue, count=3, lease_ms=SHORT_LEASE_MS).jobs
     broker.start(queue, [jobs[0].fence])
     broker.extend(queue, [jobs[0].fence], lease_ms=SHORT_LEASE_MS)

@@ -45,9 +45,11 @@ local queued = redis.call('LLEN', queued_key)
 local ready_id, ready_ms = '', 0
 local oldest = redis.call('LRANGE', queued_key, -look, -1)
 for i = #oldest, 1, -1 do
-  local job = redis.call('HMGET', job_prefix .. oldest[i], 'state', 'ready_ms', 'enqueued_ms')
+  local job_id = oldest[i]
+  local job_key = job_prefix .. job_id
+  local job = redis.call('HMGET', job_key, 'state', 'ready_ms', 'enqueued_ms')
   if job[1] == 'queued' then
-    ready_id = oldest[i]
+    ready_id = job_id
     ready_ms = tonumber(job[2]) or tonumber(job[3]) or 0
     break
   end

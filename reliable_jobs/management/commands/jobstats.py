@@ -71,7 +71,7 @@ class Command(BaseCommand):
             return
         # A sharded queue's shards follow it, indented.
         lines = [(name, line) for q in snap.queues
-                 for name, line in ((q.name, q), *((f"  {s.name}", s) for s in q.shards))]
+                 for name, line in ((q.name, q), *((f"  shard {s.shard}", s) for s in q.shards))]
         lines += [("all", snap.totals)] if len(snap.queues) > 1 else []
         width = max(len("queue"), *(len(name) for name, _ in lines))
         self.stdout.write("")
@@ -183,7 +183,7 @@ def task_figures(backend: ReliableJobsBackend, window: str) -> list[taskstats.Ta
 def _queue_json(q: dashboard.QueueLine) -> dict[str, Any]:
     """A queue's counts and latency; a sharded queue lists its shards the same way."""
     found: dict[str, Any] = {
-        "name": q.name, "queued": q.queued, "running": q.running, "scheduled": q.scheduled,
+        "name": q.name, "shard": q.shard, "queued": q.queued, "running": q.running, "scheduled": q.scheduled,
         "dead": q.dead, "oldest_ready_ms": q.oldest_ready_ms,
         "oldest_due_ms": q.oldest_due_ms, "late": q.late,
     }

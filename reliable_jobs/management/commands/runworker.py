@@ -6,8 +6,10 @@ import logging
 import sys
 from typing import Any
 
+from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from reliable_jobs import logformat
 from reliable_jobs.backend import ReliableJobsBackend
 from reliable_jobs.compat import (
     DEFAULT_TASK_BACKEND_ALIAS,
@@ -34,7 +36,7 @@ def get_backend(alias: str) -> ReliableJobsBackend:
     return backend
 
 
-def configure_logging(verbosity: int) -> None:
+def configure_logging(verbosity: int, log_format: str = "text") -> None:
     """Map ``-v`` onto the reliable_jobs loggers, printing to stderr.
 
     Django's own ``django.tasks`` logger (``django_tasks`` with the backport)
@@ -43,6 +45,7 @@ def configure_logging(verbosity: int) -> None:
     just held to WARNING: it logs every failed attempt at ERROR with the
     full traceback, beside our one line that already names the error (the
     traceback is kept in the job's attempt, shown in the admin).
+    ``log_format`` "json" prints JSON lines (see reliable_jobs.logformat).
     """
     logger = logging.getLogger("reliable_jobs")
     logger.setLevel(VERBOSITY_LEVELS.get(verbosity, logging.DEBUG))
@@ -50,7 +53,7 @@ def configure_logging(verbosity: int) -> None:
         logging.DEBUG if verbosity >= 2 else logging.CRITICAL + 1)
     if not logger.handlers and not logging.getLogger().handlers:
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        handler.setFormatter(logformat.formatter(log_format))
         logger.addHandler(handler)
 
 
@@ -108,9 +111,18 @@ class Command(BaseCommand):
                                  "or is killed, forwards SIGTERM/SIGINT, and exits once all "
                                  "have exited. Their ids are <--worker-id>-<n> "
                                  "(default: %(default)r).")
+        parser.add_argument("--log-format", choices=logformat.LOG_FORMATS, default=None,
+                            help="'text' lines, or 'json' lines (one object per line, with "
+                                 "each attempt's fields) for log shippers (default: "
+                                 "settings.RELIABLE_JOBS_LOG_FORMAT, or 'text').")
 
     def handle(self, *args: Any, **options: Any) -> None:
-        configure_logging(options["verbosity"])
+        log_format = options["log_format"] or getattr(settings, "RELIABLE_JOBS_LOG_FORMAT",
+                                                      "text")
+        if log_format not in logformat.LOG_FORMATS:
+            raise CommandError(f"RELIABLE_JOBS_LOG_FORMAT must be 'text' or 'json', not "
+                               f"{log_format!r}.")
+        configure_logging(options["verbosity"], log_format)
         backend = get_backend(options["backend"])
         if backend.config.problems:
             raise CommandError(" ".join(message for _, message in backend.config.problems))

@@ -1,0 +1,62 @@
+"""JSON lines for the worker's log: one object per record, for log shippers.
+
+``runworker --log-format json`` (or ``RELIABLE_JOBS_LOG_FORMAT = "json"``)
+puts this formatter on the handler it installs. A project that configures
+its own ``LOGGING`` handlers uses it there instead::
+
+    LOGGING = {
+        "version": 1,
+        "formatters": {"json": {"()": "reliable_jobs.logformat.JsonLinesFormatter"}},
+        "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "json"}},
+        "loggers": {"reliable_jobs": {"handlers": ["stderr"], "level": "INFO"}},
+    }
+
+Every line has ``ts`` (UTC, ISO 8601 with milliseconds), ``level``,
+``logger`` and ``message``; a line about an attempt adds the fields the
+worker attached (``event: "attempt"``, ``job``, ``task``, ``queue``,
+``shard``, ``attempt``, ``max_attempts``, ``outcome``, ``duration_ms``,
+``queued_ms``, and for a failure ``error``, ``next``, ``retry_in_ms``). An
+exception's traceback, when a record carries one, is one JSON string
+(``exc``), so a record is always exactly one line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import UTC, datetime
+from typing import Any
+
+#: The values of RELIABLE_JOBS_LOG_FORMAT and ``runworker --log-format``.
+LOG_FORMATS = ("text", "json")
+#: The attribute of a log record that carries an attempt's fields.
+FIELDS_ATTRIBUTE = "rj"
+#: The text format (``runworker``'s historical one).
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(message)s"
+
+
+class JsonLinesFormatter(logging.Formatter):
+    """Format each record as one JSON object on one line."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line: dict[str, Any] = {
+            "ts": datetime.fromtimestamp(record.created, tz=UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        fields = getattr(record, FIELDS_ATTRIBUTE, None)
+        if isinstance(fields, dict):
+            line.update(fields)
+        if record.exc_info:
+            line["exc"] = self.formatException(record.exc_info)
+        elif record.exc_text:
+            line["exc"] = record.exc_text
+        return json.dumps(line, ensure_ascii=False, default=str)
+
+
+def formatter(log_format: str) -> logging.Formatter:
+    """The formatter of one of :data:`LOG_FORMATS`."""
+    if log_format == "json":
+        return JsonLinesFormatter()
+    return logging.Formatter(TEXT_FORMAT)
