@@ -61,7 +61,8 @@ def sort_lines(lines: list[TaskLine], order: str) -> list[TaskLine]:
     descending = order.startswith("-")
     present = [line for line in lines if getattr(line, name) is not None]
     absent = [line for line in lines if getattr(line, name) is None]
-    present.sort(key=lambda line: (getattr(line, name), line.task), reverse=descending)
+    present.sort(key=lambda line: line.task)  # ties stay by name (sorts are stable)
+    present.sort(key=lambda line: getattr(line, name), reverse=descending)
     return present + absent
 
 
