@@ -1,8 +1,9 @@
 """JSON lines for the worker's log: one object per record, for log shippers.
 
 ``runworker --log-format json`` (or ``RELIABLE_JOBS_LOG_FORMAT = "json"``)
-puts this formatter on the handler it installs. A project that configures
-its own ``LOGGING`` handlers uses it there instead::
+puts this formatter on the ``reliable_jobs`` logger's handlers (or on one
+it adds on stderr). Other processes (a web server, ``recoverjobs``) get it
+from ``LOGGING``::
 
     LOGGING = {
         "version": 1,
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from datetime import UTC, datetime
 from typing import Any
 
@@ -55,8 +57,15 @@ class JsonLinesFormatter(logging.Formatter):
         return json.dumps(line, ensure_ascii=False, default=str)
 
 
-def formatter(log_format: str) -> logging.Formatter:
-    """The formatter of one of :data:`LOG_FORMATS`."""
-    if log_format == "json":
-        return JsonLinesFormatter()
-    return logging.Formatter(TEXT_FORMAT)
+def use_json_lines(logger: logging.Logger) -> None:
+    """Make ``logger`` (``reliable_jobs``) print JSON lines, whatever LOGGING set up.
+
+    Its own handlers get the JSON formatter; a logger without handlers gets
+    one on stderr and stops propagating, so no line is printed twice (once
+    as JSON, once by a root handler as text). Other loggers are left alone.
+    """
+    if not logger.handlers:
+        logger.addHandler(logging.StreamHandler(sys.stderr))
+        logger.propagate = False
+    for handler in logger.handlers:
+        handler.setFormatter(JsonLinesFormatter())

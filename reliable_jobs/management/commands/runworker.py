@@ -45,15 +45,18 @@ def configure_logging(verbosity: int, log_format: str = "text") -> None:
     just held to WARNING: it logs every failed attempt at ERROR with the
     full traceback, beside our one line that already names the error (the
     traceback is kept in the job's attempt, shown in the admin).
-    ``log_format`` "json" prints JSON lines (see reliable_jobs.logformat).
+    ``log_format`` "json" prints JSON lines (see reliable_jobs.logformat),
+    through the handlers the project gave the reliable_jobs logger, if any.
     """
     logger = logging.getLogger("reliable_jobs")
     logger.setLevel(VERBOSITY_LEVELS.get(verbosity, logging.DEBUG))
     logging.getLogger(TASKS_LOGGER).setLevel(
         logging.DEBUG if verbosity >= 2 else logging.CRITICAL + 1)
-    if not logger.handlers and not logging.getLogger().handlers:
+    if log_format == "json":
+        logformat.use_json_lines(logger)
+    elif not logger.handlers and not logging.getLogger().handlers:
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logformat.formatter(log_format))
+        handler.setFormatter(logging.Formatter(logformat.TEXT_FORMAT))
         logger.addHandler(handler)
 
 
