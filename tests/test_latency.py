@@ -207,8 +207,8 @@ def test_a_late_queue_is_flagged_on_the_dashboard_and_in_jobstats(
     # And jobstats marks it and says why
     printed = text.getvalue()
     assert "Latency warning: queue 'emails'" in printed
-    assert " !" in printed.splitlines()[[i for i, line in enumerate(printed.splitlines())
-                                        if line.startswith("emails")][0]]
+    emails_line = next(line for line in printed.splitlines() if line.startswith("emails"))
+    assert emails_line.endswith(" !               -"), emails_line
     found = {q["name"]: q for q in json.loads(document.getvalue())["queues"]}
     assert found["emails"]["late"] is True and found["default"]["late"] is False
     assert 120_000 <= found["emails"]["oldest_ready_ms"] < 120_000 + SLACK_MS

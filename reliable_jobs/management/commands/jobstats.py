@@ -183,8 +183,8 @@ def task_figures(backend: ReliableJobsBackend, window: str) -> list[taskstats.Ta
 def _queue_json(q: dashboard.QueueLine) -> dict[str, Any]:
     """A queue's counts and latency; a sharded queue lists its shards the same way."""
     found: dict[str, Any] = {
-        "name": q.name, "shard": q.shard, "queued": q.queued, "running": q.running, "scheduled": q.scheduled,
-        "dead": q.dead, "oldest_ready_ms": q.oldest_ready_ms,
+        "name": q.name, "shard": q.shard, "queued": q.queued, "running": q.running,
+        "scheduled": q.scheduled, "dead": q.dead, "oldest_ready_ms": q.oldest_ready_ms,
         "oldest_due_ms": q.oldest_due_ms, "late": q.late,
     }
     if q.shards:
