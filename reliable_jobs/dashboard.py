@@ -1,6 +1,8 @@
 """The numbers of the live dashboard and ``jobstats``: one backend at a time.
 
-Queue counts and workers come live from Redis (list lengths and heartbeats);
+Queue counts, latency (the age of each queue's oldest ready job and oldest
+due scheduled job, see scripts/latency.lua) and workers come live from Redis
+(list lengths, two bounded reads per shard, and heartbeats);
 throughput comes from the ``Attempt`` rows of the last hour; drift compares
 the two sides the way reconcile does. A sharded queue is one line: the sum
 of every shard a worker drains (see :func:`shards_of`), and each row is

@@ -42,13 +42,13 @@ from django.db import connections
 from django.db.models import Count, Q
 from django.utils import timezone
 
+# RAN_OUTCOMES: attempts that ran to an end of their own. Their run time is
+# the task's; a lease expiry or a release measures the worker's fate instead.
+from .mirror import RAN_OUTCOMES
 from .models import FAILED_OUTCOMES, Attempt, AttemptOutcome, Job, JobState
 
 #: The windows offered, by name.
 WINDOWS = {"hour": timedelta(hours=1), "day": timedelta(days=1)}
-#: Outcomes of attempts that ran to an end of their own: their run time is a
-#: task's, where a lease expiry or release measures the worker's fate.
-RAN_OUTCOMES = (AttemptOutcome.SUCCEEDED, AttemptOutcome.FAILED, AttemptOutcome.TIMED_OUT)
 #: The percentiles of each sample, as fractions.
 RUN_PERCENTILES = (0.5, 0.95, 0.99)
 QUEUE_PERCENTILES = (0.5, 0.99)
