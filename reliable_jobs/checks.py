@@ -14,6 +14,7 @@ enqueue failing in production. Ids:
   deployment check (``check --deploy``).
 - W002 REDIS_URL not set (absent, None or empty: usually an environment
   variable that is missing), so the default URL is used.
+- E011 settings.RELIABLE_JOBS_LOG_FORMAT is neither "text" nor "json".
 
 Nothing here runs at import: a missing or unreachable Redis is reported by
 ``manage.py check``, never raised while settings or apps load.
@@ -137,4 +138,22 @@ def _check_eviction(where: str, url: str) -> list[checks.CheckMessage]:
         hint="Set maxmemory-policy noeviction (CONFIG SET maxmemory-policy noeviction, and in "
              "redis.conf): a full Redis should refuse writes, never drop jobs.",
         id="reliable_jobs.W003",
+    )]
+
+
+@checks.register(checks.Tags.compatibility)
+def check_log_format(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """E011 unless RELIABLE_JOBS_LOG_FORMAT (runworker's default --log-format) is known."""
+    from django.conf import settings
+
+    from .logformat import LOG_FORMATS
+
+    value = getattr(settings, "RELIABLE_JOBS_LOG_FORMAT", "text")
+    if value in LOG_FORMATS:
+        return []
+    return [checks.Error(
+        f"settings.RELIABLE_JOBS_LOG_FORMAT is {value!r}; runworker prints 'text' or 'json' "
+        "lines.",
+        hint="Set it to 'json' for one JSON object per line, or remove it.",
+        id="reliable_jobs.E011",
     )]

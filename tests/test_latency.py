@@ -24,6 +24,7 @@ from django.utils import timezone
 
 from reliable_jobs import dashboard
 from reliable_jobs.broker import Broker
+from reliable_jobs.checks import check_log_format
 from reliable_jobs.keys import QueueKeys
 from reliable_jobs.logformat import JsonLinesFormatter
 from testproject.demo import tasks as demo
@@ -248,6 +249,12 @@ def test_each_shard_has_its_latency(
     assert line.ready_late and line.shards[1].ready_late and not line.shards[0].ready_late
     assert line.shards[0].oldest_ready_ms is not None
     assert line.shards[0].oldest_ready_ms < 60_000
+    # And jobstats --json lists the shards the same way
+    out = StringIO()
+    call_command("jobstats", "--json", stdout=out, stderr=StringIO())
+    (queue,) = json.loads(out.getvalue())["queues"]
+    assert [(s["name"], s["shard"], s["queued"], s["late"]) for s in queue["shards"]] == [
+        ("q", 0, 1, False), ("q#1", 1, 1, True)]
 
 
 @pytest.mark.parametrize("value", [0, -5, "60000", 1.5, True])
@@ -341,9 +348,12 @@ def test_a_bad_log_format_setting_stops_runworker(
     rj_settings()
     settings.RELIABLE_JOBS_LOG_FORMAT = "xml"
 
-    # Then runworker refuses to start, saying what it accepts
+    # Then runworker refuses to start, saying what it accepts, and so does the check
     with pytest.raises(CommandError, match="RELIABLE_JOBS_LOG_FORMAT must be 'text' or 'json'"):
         call_command("runworker", "--burst")
+    assert [m.id for m in check_log_format()] == ["reliable_jobs.E011"]
+    settings.RELIABLE_JOBS_LOG_FORMAT = "json"
+    assert check_log_format() == []
 
 
 def test_the_formatter_keeps_a_traceback_on_one_line() -> None:
