@@ -11,11 +11,13 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
+from io import StringIO
 from typing import Any
 from zoneinfo import ZoneInfo
 
 import pytest
 from django.core.checks import run_checks
+from django.core.management import call_command
 
 from reliable_jobs.compat import task_backends
 from reliable_jobs.models import Job, Schedule, ScheduleSlot
@@ -40,11 +42,14 @@ def slots_between(timetable: Cron | Every, start: datetime, end: datetime) -> li
     return found
 
 
+NEW_YEAR = utc(2027, 1, 1)
+
+
 @pytest.fixture
 def scheduler_for(rj_settings: Configure) -> Callable[..., Scheduler]:
     """A synced Scheduler over the default backend with OPTIONS['SCHEDULE'] = ``entries``."""
 
-    def make(since: datetime = utc(2027, 1, 1), **entries: dict[str, Any]) -> Scheduler:
+    def make(since: datetime = NEW_YEAR, **entries: dict[str, Any]) -> Scheduler:
         rj_settings(SCHEDULE=entries)
         scheduler = Scheduler(task_backends["default"])
         assert scheduler.sync() == sorted(entries)
@@ -396,3 +401,58 @@ def test_good_schedules_pass_the_checks(rj_settings: Configure) -> None:
 
 
 pytestmark = pytest.mark.django_db
+
+
+# -- jobstats and the admin ----------------------------------------------------------
+
+
+def test_jobstats_lists_the_schedules(scheduler_for: Callable[..., Scheduler]) -> None:
+    # Given: a schedule that enqueued one slot, and a paused one
+    scheduler = scheduler_for(tick={"task": ADD, "every_ms": 60_000},
+                              nightly={"task": ADD, "cron": "0 3 * * *", "tz": "Europe/Berlin"})
+    report = scheduler.fire("tick", now=utc(2027, 1, 1, 10, 0, 1))
+    set_enabled("default", ["nightly"], False)
+
+    # When: jobstats runs
+    out = StringIO()
+    call_command("jobstats", stdout=out)
+
+    # Then: both are listed with their timing, state, and the last slot's job
+    text = out.getvalue()
+    assert "Schedules: 2" in text
+    tick = next(line for line in text.splitlines() if line.strip().startswith("tick"))
+    assert "every 1 min" in tick and "enabled" in tick and report.job_ids[0] in tick
+    nightly = next(line for line in text.splitlines() if line.strip().startswith("nightly"))
+    assert "0 3 * * * (Europe/Berlin)" in nightly and "paused" in nightly
+
+
+def test_the_admin_lists_schedules_and_pauses_one_with_its_permission_only(
+        scheduler_for: Callable[..., Scheduler], client: Any) -> None:
+    # Given: a schedule, and staff who may view schedules but not pause them
+    from django.contrib.auth.models import Permission, User
+
+    scheduler = scheduler_for(tick={"task": ADD, "every_ms": 60_000})
+    report = scheduler.fire("tick", now=utc(2027, 1, 1, 10, 0, 1))
+    user = User.objects.create_user("viewer", password="pw", is_staff=True)
+    user.user_permissions.set(Permission.objects.filter(codename="view_schedule"))
+    client.force_login(user)
+    url = "/admin/reliable_jobs/schedule/"
+    row = Schedule.objects.get(name="tick")
+
+    # When: they open the list, then post the pause action anyway
+    page = client.get(url).content.decode()
+    refused = client.post(url, {"action": "disable_schedules", "_selected_action": [row.pk]})
+
+    # Then: the list shows the schedule and its last job's link, the action is
+    # neither offered nor honoured
+    assert "every 1 min" in page and f"/admin/reliable_jobs/job/{report.job_ids[0]}/" in page
+    assert "disable_schedules" not in page
+    assert refused.status_code in (200, 302)
+    assert Schedule.objects.get(name="tick").enabled is True
+
+    # When: they are given toggle_schedule and post it again
+    user.user_permissions.add(Permission.objects.get(codename="toggle_schedule"))
+    client.post(url, {"action": "disable_schedules", "_selected_action": [row.pk]})
+
+    # Then: the schedule is paused
+    assert Schedule.objects.get(name="tick").enabled is False
