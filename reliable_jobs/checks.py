@@ -85,12 +85,12 @@ def _check_schedules(where: str, backend: ReliableJobsBackend) -> list[checks.Ch
     Imports every installed app's ``tasks`` module, as a worker does, so that
     ``@periodic`` declarations are known.
     """
+    if not apps_ready():
+        return []  # E009 says why; the scheduler's module would import the models
     from .periodic.declared import clashes, decorated, from_options
     from .periodic.scheduler import declarations
     from .tasks import discover, lookup
 
-    if not apps_ready():
-        return []
     discover()
     messages: list[checks.CheckMessage] = []
     for declaration in declarations(backend):
