@@ -456,3 +456,22 @@ def test_the_admin_lists_schedules_and_pauses_one_with_its_permission_only(
 
     # Then: the schedule is paused
     assert Schedule.objects.get(name="tick").enabled is False
+
+
+def test_a_schedule_that_cannot_fire_is_left_out_and_the_others_fire(
+        rj_settings: Configure, app_log: list[logging.LogRecord]) -> None:
+    # Given: one schedule naming no task, one on a queue not served, and a good one
+    rj_settings(SCHEDULE={
+        "nowhere": {"task": "myapp.tasks.missing", "every_ms": 60_000},
+        "elsewhere": {"task": ADD, "every_ms": 60_000, "queue": "emails"},
+        "fine": {"task": ADD, "every_ms": 60_000, "args": [1, 1]},
+    })
+    scheduler = Scheduler(task_backends["default"])
+
+    # When: a scheduler starts (E012 would stop runworker first; this is the fallback)
+    names = scheduler.sync()
+
+    # Then: it fires the good one only, and says why the others will not fire
+    assert names == ["fine"]
+    said = " ".join(r.getMessage() for r in app_log if r.levelno == logging.ERROR)
+    assert "'nowhere'" in said and "'elsewhere'" in said

@@ -176,3 +176,49 @@ def test_redis_flushed_mid_run_loses_no_slot_and_duplicates_none(
     for proc in (*workers, sweep):
         assert processes.stop(proc) == 0
     print(f"redis flushed: {figures}")
+
+
+def test_after_a_scheduler_outage_each_policy_catches_up_as_declared(
+    rj_settings: Any, processes: Processes, redis_client: redis.Redis,
+) -> None:
+    # Given: one worker firing three every-second schedules, one per downtime policy
+    env = rj_settings(SCHEDULE={name: {**EVERY_SECOND, "catch_up": name}
+                                for name in ("all", "last", "none")})
+    first = processes.worker(env, "--worker-id", "before")
+    wait_until(lambda: all(len(slots(n)) >= 2 for n in ("all", "last", "none")), timeout=90,
+               message="the first slots of each schedule")
+
+    # When: the only scheduler is SIGKILLed, nothing fires for longer than a slot
+    # stays on time (10 s), and a new worker starts
+    first.send_signal(signal.SIGKILL)
+    first.wait(timeout=10)
+    time.sleep(13.0)
+    second = processes.worker(env, "--worker-id", "after")
+    wait_until(lambda: "Schedule 'none': skipped" in processes.log(second), timeout=60,
+               message="the new scheduler to decide the missed slots")
+    time.sleep(2.0)
+    for name in ("all", "last", "none"):
+        set_enabled("default", [name], False)
+    time.sleep(1.0)
+    wait_until(lambda: not Job.objects.exclude(state=JobState.SUCCEEDED).exists(),
+               timeout=90, message="every job to succeed")
+
+    # Then: "all" enqueued every missed slot (no gap); "last" and "none" (some
+    # slots were on time, so the newest missed one is not needed) left one gap,
+    # exactly the slots they logged as skipped; every slot has one job
+    log = processes.log(second)
+    for name in ("all", "last", "none"):
+        found = slots(name)
+        every = {found[0] + timedelta(seconds=i)
+                 for i in range(int((found[-1] - found[0]).total_seconds()) + 1)}
+        missing = every - set(found)
+        assert len(found) == len(set(found))
+        if name == "all":
+            assert not missing
+            assert f"Schedule '{name}': skipped" not in log
+            continue
+        skipped = int(log.split(f"Schedule '{name}': skipped ")[1].split()[0])
+        assert skipped >= 1 and len(missing) == skipped
+        assert max(missing) - min(missing) == timedelta(seconds=skipped - 1)  # one gap
+    assert Job.objects.count() == ScheduleSlot.objects.count()
+    assert processes.stop(second) == 0

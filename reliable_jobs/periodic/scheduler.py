@@ -33,12 +33,13 @@ from typing import TYPE_CHECKING, Any
 from django.db import DatabaseError, IntegrityError, InterfaceError, connections, transaction
 from django.utils import timezone
 
+from ..compat import InvalidTask
 from ..faults import crash_point, stop_point
 from ..mirror import grace_cutoff
 from ..models import Schedule, ScheduleSlot
 from ..tasks import discover, lookup
 from .declared import Declaration, decorated, from_options
-from .timetable import Cron, Every, Timetable, between, count
+from .timetable import MAX_COUNT, Cron, Every, Timetable, between, count
 
 if TYPE_CHECKING:
     from ..backend import ReliableJobsBackend
@@ -185,9 +186,14 @@ class Scheduler:
                              "installed app: it will not fire.", declaration.name,
                              declaration.task_path)
                 continue
+            try:
+                self._tasks[declaration.name] = (task.using(queue_name=declaration.queue)
+                                                 if declaration.queue else task)
+            except InvalidTask as exc:
+                logger.error("Schedule %r cannot be fired (%s): it will not fire.",
+                             declaration.name, exc)
+                continue
             declared[declaration.name] = declaration
-            self._tasks[declaration.name] = (task.using(queue_name=declaration.queue)
-                                             if declaration.queue else task)
         rows = Schedule.objects.using(self.database)
         for name in sorted(declared):
             d = declared[name]
@@ -275,9 +281,9 @@ class Scheduler:
             if plan.skipped:
                 report.skipped += plan.skipped
                 logger.warning(
-                    "Schedule %r: skipped %d missed slot(s) from %s to %s (catch_up=%r).",
-                    name, plan.skipped, _utc(plan.first_skipped), _utc(plan.last_skipped),
-                    declaration.catch_up)
+                    "Schedule %r: skipped %s%d missed slot(s) from %s to %s (catch_up=%r).",
+                    name, "at least " if plan.skipped >= MAX_COUNT - 1 else "", plan.skipped,
+                    _utc(plan.first_skipped), _utc(plan.last_skipped), declaration.catch_up)
             row.cursor_at = plan.cursor
             row.save(using=self.database,
                      update_fields=["cursor_at", "last_slot_at", "last_job_id", "updated_at"])
