@@ -1,7 +1,8 @@
 """Periodic jobs with real processes: several ``runworker`` schedulers over one
 every-second schedule, a scheduler SIGKILLed between deciding and enqueueing,
-and Redis flushed mid-run. Each slot must end with exactly one job, and every
-job must run.
+Redis flushed mid-run, each downtime policy after a real outage, and
+``--no-scheduler``. Each slot must end with exactly one job, and every job
+must run.
 
 ``RJ_PERIODIC_SECONDS`` lengthens the multi-scheduler run (default 20 s; the
 issue's figure is for 180 s).
@@ -222,3 +223,22 @@ def test_after_a_scheduler_outage_each_policy_catches_up_as_declared(
         assert max(missing) - min(missing) == timedelta(seconds=skipped - 1)  # one gap
     assert Job.objects.count() == ScheduleSlot.objects.count()
     assert processes.stop(second) == 0
+
+
+def test_a_worker_started_with_no_scheduler_fires_nothing(
+    rj_settings: Any, processes: Processes, redis_client: redis.Redis,
+) -> None:
+    # Given: an every-second schedule, and a worker started with --no-scheduler
+    env = rj_settings(SCHEDULE={"tick": EVERY_SECOND})
+    worker = processes.worker(env, "--no-scheduler", "--worker-id", "plain")
+    wait_until(lambda: " serving " in processes.log(worker), timeout=60,
+               message="the worker to start")
+
+    # When: several slots pass
+    time.sleep(3.0)
+
+    # Then: no scheduler declared the schedule or enqueued a slot
+    assert not Schedule.objects.exists()
+    assert not Job.objects.exists()
+    assert "Scheduler firing" not in processes.log(worker)
+    assert processes.stop(worker) == 0
