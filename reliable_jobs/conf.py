@@ -60,6 +60,10 @@ class BackendOptions:
     #: Shards per queue, e.g. {"emails": 4}: each shard is a queue of its own
     #: (its own hash tag, so its own cluster slot); unlisted queues have one.
     SHARDS: dict[str, int] = field(default_factory=dict)
+    #: Periodic jobs declared in settings: {name: {"task": path, "cron": "0 3 * * *",
+    #: "tz": ..., or "every_ms": ..., "args": [...], "kwargs": {...},
+    #: "catch_up": "all" | "last" | "none", "queue": ...}} (see periodic/declared.py).
+    SCHEDULE: dict[str, Any] = field(default_factory=dict)
     #: What parse() found wrong, as (check id, message) pairs.
     problems: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
@@ -146,6 +150,13 @@ def parse(raw: Any) -> BackendOptions:
              f"shards from 1 to {MAX_SHARDS}, not {shards!r}.")
         )
         values.pop("SHARDS", None)
+    if "SCHEDULE" in values:
+        from .periodic.declared import from_options
+
+        _, schedule_problems = from_options(values["SCHEDULE"], backend="")
+        problems += [("reliable_jobs.E011", message) for message in schedule_problems]
+        if not isinstance(values["SCHEDULE"], dict):
+            values.pop("SCHEDULE")
     if not isinstance(values.get("DATABASE", "default"), str):
         problems.append(("reliable_jobs.E003", "OPTIONS['DATABASE'] must be a database alias."))
         values.pop("DATABASE")
