@@ -359,3 +359,7 @@ class JobAdmin(ReadOnlyMixin, admin.ModelAdmin):  # type: ignore[type-arg]  # as
         aliases = changelist.reliable_backends()
         return super().changelist_view(request, {**(extra_context or {}),
                                                  "rj_dashboards": aliases})
+
+
+# Periodic jobs have their own module; importing it registers their admin.
+from . import schedule_admin  # noqa: E402, F401

@@ -351,7 +351,7 @@ def test_a_bad_log_format_setting_stops_runworker(
     # Then runworker refuses to start, saying what it accepts, and so does the check
     with pytest.raises(CommandError, match="RELIABLE_JOBS_LOG_FORMAT must be 'text' or 'json'"):
         call_command("runworker", "--burst")
-    assert [m.id for m in check_log_format()] == ["reliable_jobs.E011"]
+    assert [m.id for m in check_log_format()] == ["reliable_jobs.E014"]
     settings.RELIABLE_JOBS_LOG_FORMAT = "json"
     assert check_log_format() == []
 

@@ -13,8 +13,8 @@ from django.utils import timezone
 from reliable_jobs import dashboard, taskstats
 from reliable_jobs.backend import ReliableJobsBackend
 from reliable_jobs.compat import DEFAULT_TASK_BACKEND_ALIAS
-from reliable_jobs.conf import mask_password
 from reliable_jobs.management.commands.runworker import get_backend
+from reliable_jobs.redaction import mask_password
 
 #: Minutes listed one by one (newest last); the hour's totals cover the rest.
 RECENT_MINUTES = 10
@@ -26,10 +26,10 @@ class Command(BaseCommand):
         "jobs queued, running, scheduled and dead (live from Redis, every shard of a sharded "
         "queue summed), the workers alive, "
         "attempts succeeded and failed per minute over the last hour, and how many jobs "
-        "Redis and the database disagree on. Each queue's latency (the age of its oldest "
-        "ready job and of its oldest due scheduled job) is marked with '!' past "
-        "OPTIONS['LATENCY_WARNING_MS']. Exits with status 1 when a server did not "
-        "answer, so it can serve as a health check."
+        "Redis and the database disagree on, and the periodic jobs' schedules. Each "
+        "queue's latency (the age of its oldest ready job and of its oldest due scheduled "
+        "job) is marked with '!' past OPTIONS['LATENCY_WARNING_MS']. Exits with status 1 "
+        "when a server did not answer, so it can serve as a health check."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -58,6 +58,9 @@ class Command(BaseCommand):
         self._workers(snap)
         self._throughput(snap)
         self._drift(snap)
+        schedules_problem = self._schedules(backend)
+        if schedules_problem:
+            snap.problems.append(schedules_problem)
         if options["tasks"]:
             self._tasks(backend, snap, options["tasks"])
         if snap.problems:
@@ -107,6 +110,32 @@ class Command(BaseCommand):
                           f"{snap.failed_last_hour} failed. Per minute (UTC):")
         for m in snap.minutes[-RECENT_MINUTES:]:
             self.stdout.write(f"  {m.at:%H:%M}  {m.succeeded:>7} succeeded  {m.failed:>7} failed")
+
+    def _schedules(self, backend: ReliableJobsBackend) -> str:
+        """Periodic jobs: when, next slot, last slot and its job; a problem sentence or ""."""
+        from reliable_jobs.models import Schedule
+        from reliable_jobs.periodic.scheduler import next_slot, timetable_of
+
+        try:
+            rows = list(Schedule.objects.using(backend.config.DATABASE)
+                        .filter(backend=backend.alias).order_by("name"))
+        except DatabaseError as exc:
+            return f"Schedules: the database did not answer ({exc})."
+        if not rows:
+            return ""
+        now = timezone.now()
+        self.stdout.write("")
+        self.stdout.write(f"Schedules: {len(rows)}")
+        for row in rows:
+            status = ("enabled" if row.enabled else "paused") if row.in_code else "not in code"
+            upcoming = next_slot(row, now) if row.enabled and row.in_code else None
+            last = (f"{row.last_slot_at:%Y-%m-%d %H:%M:%S} job {row.last_job_id}"
+                    if row.last_slot_at else "none yet")
+            self.stdout.write(
+                f"  {row.name}  {timetable_of(row) or row.expression}  {row.task_path}  "
+                f"{status}  catch-up {row.catch_up}  next "
+                f"{f'{upcoming:%Y-%m-%d %H:%M:%S}' if upcoming else '-'}  last {last}")
+        return ""
 
     def _drift(self, snap: dashboard.Snapshot) -> None:
         if snap.drift is None:

@@ -108,6 +108,10 @@ class Command(BaseCommand):
         parser.add_argument("--grace", type=float, default=30.0,
                             help="Seconds running jobs get to finish after the first "
                                  "SIGTERM (default: %(default)r).")
+        parser.add_argument("--no-scheduler", action="store_false", dest="scheduler",
+                            help="Do not fire periodic jobs from this worker (by default every "
+                                 "worker runs a scheduler; each slot is enqueued once however "
+                                 "many do).")
         parser.add_argument("--processes", type=int, default=1,
                             help="Worker processes, each running --concurrency threads. Above "
                                  "1 this process supervises them: it restarts one that fails "
@@ -159,6 +163,7 @@ class Command(BaseCommand):
             max_jobs=options["max_jobs"], grace_s=options["grace"],
             prefetch=options["prefetch"], progress=progress,
             give_up_s=options["burst_give_up"] if options["burst"] else None,
+            scheduler=options["scheduler"],
         )
         worker.install_signal_handlers()
         worker.run()
