@@ -38,9 +38,9 @@ if look == nil or look ~= math.floor(look) or look < 1 or look > 1000 then
   return redis.error_reply('ERR latency: look must be a whole number from 1 to 1000')
 end
 
-local clock = redis.call('TIME')
-local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+--- @include "server_clock"
 
+local now = now_ms()
 local queued = redis.call('LLEN', queued_key)
 local ready_id, ready_ms = '', 0
 local oldest = redis.call('LRANGE', queued_key, -look, -1)
@@ -56,9 +56,9 @@ for i = #oldest, 1, -1 do
 end
 
 local due_id, due_ms = '', 0
-local due = redis.call('ZRANGEBYSCORE', scheduled_key, '-inf', now_ms, 'WITHSCORES', 'LIMIT', 0, 1)
+local due = redis.call('ZRANGEBYSCORE', scheduled_key, '-inf', now, 'WITHSCORES', 'LIMIT', 0, 1)
 if #due > 0 then
   due_id = due[1]
   due_ms = tonumber(due[2]) or 0
 end
-return { now_ms, queued, ready_id, ready_ms, due_id, due_ms }
+return { now, queued, ready_id, ready_ms, due_id, due_ms }

@@ -20,15 +20,15 @@ local scheduled_key = KEYS[2]
 local wake_key = KEYS[3]
 local job_prefix = KEYS[4]
 
+--- @include "server_clock"
+
 local job_id = ARGV[1]
 local job_key = job_prefix .. job_id
 local state = redis.call('HGET', job_key, 'state') or ''
 if state ~= 'scheduled' or redis.call('ZREM', scheduled_key, job_id) == 0 then
   return { 0, state }
 end
-local clock = redis.call('TIME')
-redis.call('HSET', job_key, 'state', 'queued',
-  'ready_ms', tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000))
+redis.call('HSET', job_key, 'state', 'queued', 'ready_ms', now_ms())
 redis.call('LPUSH', queued_key, job_id)
 if redis.call('LLEN', wake_key) == 0 then
   redis.call('RPUSH', wake_key, '1')

@@ -22,6 +22,8 @@ local dead_key = KEYS[2]
 local wake_key = KEYS[3]
 local job_prefix = KEYS[4]
 
+--- @include "server_clock"
+
 local MAX_COUNT = 2147483647
 local extra = tonumber(ARGV[2])
 if extra == nil or extra ~= math.floor(extra) or extra < 0 or extra > MAX_COUNT then
@@ -40,9 +42,8 @@ if attempts == nil or attempts ~= attempts then
 end
 attempts = math.max(0, math.min(MAX_COUNT, math.floor(attempts)))
 redis.call('ZREM', dead_key, job_id)
-local clock = redis.call('TIME')
 redis.call('HSET', job_key, 'state', 'queued', 'max_attempts', math.min(attempts + extra, MAX_COUNT),
-  'ready_ms', tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000))
+  'ready_ms', now_ms())
 redis.call('HDEL', job_key, 'finished_ms')
 redis.call('LPUSH', queued_key, job_id)
 if redis.call('LLEN', wake_key) == 0 then
