@@ -32,7 +32,8 @@ from ..exceptions import JobTimeout, UnknownTask, class_path
 from ..faults import crash_point
 from ..handoff import JobBuffer, StartMarks
 from ..isolation import ChildFailed, run_in_child
-from ..keys import logical_queue, shard_index
+from ..keys import logical_queue
+from ..logformat import log_attempt
 from ..mirror import AttemptRecord
 from ..models import AttemptOutcome, JobState
 from ..tasks import lookup
@@ -257,37 +258,3 @@ class Executor:
                     record.outcome, (time.perf_counter() - started_clock) * 1000,
                     error=error, retry_in_ms=None if state == JobState.DEAD else delay_ms)
 
-
-def log_attempt(level: int, job: ClaimedJob, task_path: str, outcome: str, duration_ms: float,
-                *, error: str = "", retry_in_ms: int | None = None) -> None:
-    """The one line per attempt: a sentence, with its fields attached for JSON lines.
-
-    The fields ride on the record as ``rj`` (``logformat.JsonLinesFormatter``
-    prints them); the sentence says the same for people. Successes are
-    logged only from -v 2 (the caller checks first: at thousands of jobs a
-    second the line cost a quarter of the drain rate).
-    """
-    queue = logical_queue(job.queue)
-    waited = f"{job.waited_ms} ms in queue" if job.waited_ms >= 0 else "time in queue unknown"
-    where = queue if queue == job.queue else f"{queue}, shard {shard_index(job.queue)}"
-    fields: dict[str, Any] = {
-        "event": "attempt", "job": printable(job.id), "task": task_path, "queue": queue,
-        "shard": shard_index(job.queue), "attempt": job.attempt,
-        "max_attempts": job.max_attempts, "outcome": outcome,
-        "duration_ms": round(duration_ms, 1),
-        "queued_ms": job.waited_ms if job.waited_ms >= 0 else None,
-    }
-    if outcome == AttemptOutcome.SUCCEEDED:
-        logger.log(level, "Job %s %s attempt %d/%d succeeded in %.1f ms (queue %s, %s).",
-                   fields["job"], task_path, job.attempt, job.max_attempts, duration_ms, where,
-                   waited, extra={"rj": fields})
-        return
-    fields["error"] = error
-    fields["next"] = "dead" if retry_in_ms is None else "retry"
-    fields["retry_in_ms"] = retry_in_ms
-    verb = "timed out" if outcome == AttemptOutcome.TIMED_OUT else "failed"
-    logger.log(level, "Job %s %s attempt %d/%d %s in %.1f ms (queue %s, %s): %s; %s.",
-               fields["job"], task_path, job.attempt, job.max_attempts, verb, duration_ms,
-               where, waited, error,
-               "dead" if retry_in_ms is None else f"retry in {retry_in_ms} ms",
-               extra={"rj": fields})
