@@ -22,9 +22,14 @@ What each figure counts, exactly:
 
 Kept cheap on a million rows by reading only the window: attempts through
 the ``finished_at`` index plus the small partial index of open attempts
-(``rj_attempt_open``), each joined to its job by primary key; deaths
-through the (state, updated_at) index (a dead row's ``updated_at`` is its
-death or later). PostgreSQL computes the percentiles itself with
+(``rj_attempt_open``); the jobs they are joined to (for the task path)
+through the (state, updated_at) index, every state at once: the mirror
+rewrites a job's row in the transaction that records its attempt, so a job
+whose attempt finished in the window was touched in it too (give or take
+``TOUCHED_MARGIN``, for a worker's clock running ahead of the database's
+and an expired attempt's late result); deaths through the same index (a
+dead row's ``updated_at`` is its death or later). Without that second
+range the join reads the whole job table. PostgreSQL computes the percentiles itself with
 ``percentile_cont`` (one statement); other databases (SQLite) fetch the
 window's rows and interpolate the same way in Python, side by side below so
 the two stay alike (tests run both on PostgreSQL).
@@ -49,6 +54,11 @@ from .models import FAILED_OUTCOMES, Attempt, AttemptOutcome, Job, JobState
 
 #: The windows offered, by name.
 WINDOWS = {"hour": timedelta(hours=1), "day": timedelta(days=1)}
+#: How much earlier than the window a job's row may have been touched and
+#: still hold an attempt that finished in the window (see the docstring).
+TOUCHED_MARGIN = timedelta(minutes=10)
+#: Every state, so the (state, updated_at) index serves a range on updated_at.
+_ALL_STATES = [state.value for state in JobState]
 #: The percentiles of each sample, as fractions.
 RUN_PERCENTILES = (0.5, 0.95, 0.99)
 QUEUE_PERCENTILES = (0.5, 0.99)
@@ -118,6 +128,7 @@ _WINDOW_ROWS = f"""
            j.enqueued_at, j.run_after, j.started_at AS first_start
     FROM {_ATTEMPT} a JOIN {_JOB} j ON j.id = a.job_id
     WHERE a.finished_at >= %(since)s AND j.backend = %(backend)s
+      AND j.state = ANY(%(states)s) AND j.updated_at >= %(touched)s
     UNION ALL
     SELECT j.task_path, a.outcome, a.started_at, a.finished_at,
            j.enqueued_at, j.run_after, j.started_at
@@ -144,6 +155,7 @@ FROM w GROUP BY task
 def _pg_attempt_figures(using: str, backend: str, since: datetime) -> dict[str, TaskLine]:
     with connections[using].cursor() as cursor:
         cursor.execute(_PG_FIGURES, {"since": since, "backend": backend,
+                                     "states": _ALL_STATES, "touched": since - TOUCHED_MARGIN,
                                      "run_p": list(RUN_PERCENTILES),
                                      "queue_p": list(QUEUE_PERCENTILES)})
         rows = cursor.fetchall()
@@ -166,7 +178,9 @@ def _portable_attempt_figures(using: str, backend: str, since: datetime
     columns = ("job__task_path", "outcome", "started_at", "finished_at", "job__enqueued_at",
                "job__run_after", "job__started_at")
     rows = (Attempt.objects.using(using)
-            .filter(Q(finished_at__gte=since) | Q(outcome="", started_at__gte=since),
+            .filter(Q(finished_at__gte=since, job__state__in=_ALL_STATES,
+                      job__updated_at__gte=since - TOUCHED_MARGIN)
+                    | Q(outcome="", started_at__gte=since),
                     job__backend=backend)
             .values_list(*columns).order_by())
     started: dict[str, int] = {}

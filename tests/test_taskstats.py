@@ -140,6 +140,33 @@ def test_the_day_includes_older_attempts_and_other_backends_are_apart(
     assert lines[FAST].run_p99_ms == pytest.approx(976.0)
 
 
+def test_a_row_touched_a_little_before_its_attempt_finished_still_counts(
+    rj_settings: Callable[..., dict[str, str]]
+) -> None:
+    # Given a job whose attempt finished 58 min ago, by a worker whose clock ran
+    # 5 min ahead of the database's (the row says it was written 63 min ago,
+    # before the hour began), and one whose row was last written 3 hours ago,
+    # long before its attempt "finished" (no mirror write does that)
+    rj_settings()
+    now = timezone.now()
+    skewed = new_job(FAST, now - timedelta(minutes=59))
+    attempt(skewed, 1, now - timedelta(minutes=58) - 100 * MS, ran_ms=100)
+    stale = new_job(FLAKY, now - timedelta(minutes=59))
+    attempt(stale, 1, now - timedelta(minutes=58) - 100 * MS, ran_ms=100)
+    # (test set-up, not a mirror write: the rows' times as those clocks left them)
+    Job.objects.filter(pk=skewed).update(updated_at=now - timedelta(minutes=63))
+    Job.objects.filter(pk=stale).update(updated_at=now - timedelta(hours=3))
+
+    # When the hour is read, on both paths
+    since = now - timedelta(hours=1)
+    found = [taskstats._pg_attempt_figures("default", "default", since),
+             taskstats._portable_attempt_figures("default", "default", since)]
+
+    # Then the skewed job counts (within TOUCHED_MARGIN), the stale row is not read
+    assert [set(lines) for lines in found] == [{FAST}, {FAST}]
+    assert found[0][FAST].succeeded == found[1][FAST].succeeded == 1
+
+
 def test_postgresql_and_the_portable_path_agree(
     rj_settings: Callable[..., dict[str, str]]
 ) -> None:
