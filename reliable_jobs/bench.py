@@ -322,25 +322,46 @@ def job_table_size(backend: ReliableJobsBackend) -> tuple[int, int]:
 
 def sustained(backend: ReliableJobsBackend, queue: str, *, total: int, per_round: int,
               retention: timedelta, prefetch: int | None,
-              report: Callable[[Round], None]) -> None:
-    """Drain ``total`` jobs ``per_round`` at a time, pruning like ``prunejobs`` between rounds.
+              report: Callable[[Round], None], round_timeout_s: float = 600.0) -> None:
+    """Run ``total`` jobs through one long-lived worker, ``per_round`` at a time, pruning
+    like ``prunejobs`` between rounds.
 
-    Each round enqueues its jobs in bulk (not timed), drains them with a
-    fresh burst worker in this process (timed), then prunes what finished
-    more than ``retention`` ago, so after the first ``retention`` the job
-    table stops growing. Rows are left as a real deployment would leave them.
+    One worker (in a thread of this process, not in burst mode) serves the
+    whole run, as a deployed worker does, so the RSS reported is a worker's
+    after N jobs. Each round bulk-enqueues its jobs while the worker drains
+    them and is timed from its first enqueue until the queue is empty and the
+    worker holds nothing, so its rate is enqueue and drain together; then
+    what finished more than ``retention`` ago is pruned (not timed), so after
+    the first ``retention`` the job table stops growing. Rows are left as a
+    real deployment would leave them.
     """
     task = bench_task(backend, queue)
+    worker = Worker(backend, queues=[queue], prefetch=prefetch, grace_s=5)
+    thread = threading.Thread(target=worker.run, name="rj-bench-sustained", daemon=True)
+    thread.start()
     done = 0
-    while done < total:
-        size = min(per_round, total - done)
-        for start in range(0, size, 10_000):
-            backend.enqueue_many(task, (((), {}) for _ in range(min(10_000, size - start))))
-        worker = Worker(backend, queues=[queue], burst=True, prefetch=prefetch, grace_s=5)
-        rate = size / timed(worker.run)
-        done += size
-        started = time.perf_counter()
-        pruned = prune(backend, older_than=retention).jobs
-        prune_s = time.perf_counter() - started
-        rows, size_bytes = job_table_size(backend)
-        report(Round(done, rate, prune_s, pruned, rows, size_bytes, rss_bytes()))
+    try:
+        while done < total:
+            size = min(per_round, total - done)
+            started = time.perf_counter()
+            for start in range(0, size, 10_000):
+                backend.enqueue_many(task, (((), {}) for _ in range(min(10_000, size - start))))
+            deadline = started + round_timeout_s
+            while True:
+                counts = backend.broker.counts(queue)
+                if not (counts.queued or counts.running or len(worker.in_hand)):
+                    break
+                if time.perf_counter() > deadline or not thread.is_alive():
+                    raise RuntimeError(f"A round of {size:,} jobs did not drain within "
+                                       f"{round_timeout_s:.0f} s ({counts}).")
+                time.sleep(0.01)
+            rate = size / (time.perf_counter() - started)
+            done += size
+            pruned_at = time.perf_counter()
+            pruned = prune(backend, older_than=retention).jobs
+            prune_s = time.perf_counter() - pruned_at
+            rows, size_bytes = job_table_size(backend)
+            report(Round(done, rate, prune_s, pruned, rows, size_bytes, rss_bytes()))
+    finally:
+        worker.stop()
+        thread.join(timeout=30)

@@ -74,9 +74,10 @@ class Command(BaseCommand):
                             help="Queues configured for the many-queues drain, work on one "
                                  "(0 to skip; default: %(default)r).")
         parser.add_argument("--sustained", type=int, default=0, metavar="N",
-                            help="Instead of the above: drain N jobs in rounds of --jobs, "
-                                 "pruning with --retention-minutes between rounds; print "
-                                 "each round (default: off).")
+                            help="Instead of the above: run N jobs through one long-lived "
+                                 "worker in rounds of --jobs, pruning with "
+                                 "--retention-minutes between rounds; print each round "
+                                 "(default: off).")
         parser.add_argument("--retention-minutes", type=float, default=10.0,
                             help="--sustained: prune jobs finished this long ago "
                                  "(default: %(default)r).")
@@ -170,11 +171,12 @@ class Command(BaseCommand):
             f"sustained: {options['sustained']:,} jobs in rounds of {options['jobs']:,}, "
             f"pruning jobs finished over {options['retention_minutes']:g} min ago; worker "
             f"RSS at start {start_rss / 2**20:,.1f} MiB\n"
-            "    jobs done   drain jobs/s   pruned   prune s   job rows   table MiB   RSS MiB")
+            "    jobs done   enqueue+drain jobs/s   pruned   prune s   job rows   table MiB   "
+            "RSS MiB")
 
         def report(done: Round) -> None:
             self.stdout.write(
-                f"{done.jobs_done:>13,}   {done.rate:>12,.0f}   {done.pruned:>6,}   "
+                f"{done.jobs_done:>13,}   {done.rate:>20,.0f}   {done.pruned:>6,}   "
                 f"{done.prune_s:>7.2f}   {done.table_rows:>8,}   "
                 f"{done.table_bytes / 2**20:>9,.1f}   {done.rss_bytes / 2**20:>7,.1f}")
 
