@@ -69,6 +69,9 @@ class Contender:
     exits_when_drained: bool
     #: True to start the worker in the project folder (``manage.py``), else in bench/.
     in_project: bool = False
+    #: Jobs at most unless ``--cap`` says otherwise: a contender that drains tens of jobs
+    #: a second would take the whole timeout on the default --jobs.
+    cap: int | None = None
 
 
 def manage(project: Path, *args: str) -> list[str]:
@@ -119,12 +122,12 @@ CONTENDERS = (
     # and its own worker in its burst mode; enqueue is one .enqueue() per job (the API
     # has no bulk call).
     Contender("djtasks-db", "django-tasks-db `db_worker --batch`", "django-tasks-db",
-              "djtasks_db", djtasks_worker("db", "db_worker", "--batch"), True),
+              "djtasks_db", djtasks_worker("db", "db_worker", "--batch"), True, cap=1_000),
     Contender("djtasks-redis", "django-tasks-redis `run_redis_tasks`", "django-tasks-redis",
-              "djtasks_redis", djtasks_worker("redis", "run_redis_tasks"), True),
+              "djtasks_redis", djtasks_worker("redis", "run_redis_tasks"), True, cap=2_000),
     Contender("djtasks-rq", "django-tasks-rq `rqworker --burst`", "django-tasks-rq",
               "djtasks_rq", djtasks_worker("rq", "rqworker", "--job-class", "django_tasks_rq.Job",
-                                           "--burst", "default"), True),
+                                           "--burst", "default"), True, cap=500),
 )
 #: Contenders that are django.tasks backends (the other ratio line).
 DJANGO_TASKS = frozenset(c.key for c in CONTENDERS if c.key.startswith("djtasks-"))
@@ -558,7 +561,7 @@ def main(argv: list[str]) -> int:
                       Path(logs), client, env)
         for run in range(1, args.runs + 1):
             for contender in contenders:
-                jobs = args.caps.get(contender.key, args.jobs)
+                jobs = args.caps.get(contender.key, min(args.jobs, contender.cap or args.jobs))
                 try:
                     measured = bench.measure(contender, jobs, run)
                 except (BenchError, subprocess.TimeoutExpired) as exc:
@@ -598,8 +601,10 @@ def main(argv: list[str]) -> int:
     if lags:
         print("Burst workers exited this long (median) after their queue was seen empty; "
               "that shutdown is inside both drain figures: " + ", ".join(lags) + ".")
-    if args.caps:
-        print("Capped: " + ", ".join(f"{k} at {n:,} jobs" for k, n in args.caps.items()))
+    caps = {c.key: args.caps.get(c.key, min(args.jobs, c.cap or args.jobs))
+            for c in contenders}
+    if capped := {k: n for k, n in caps.items() if n != args.jobs}:
+        print("Capped: " + ", ".join(f"{k} at {n:,} jobs" for k, n in capped.items()))
     if benchjobs:
         print(f"\n`manage.py benchjobs --jobs {args.jobs} --singles {args.benchjobs_singles} "
               f"--runs {args.runs} --prefetch 200` (in-process worker, same servers):\n")
