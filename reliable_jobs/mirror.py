@@ -89,7 +89,7 @@ def insert_job(using: str, job: Job) -> None:
         cursor.execute(_PG_INSERT_JOB, _row_values(job))
 
 
-#: Columns COPY writes for a new job (the rest keep their defaults: NULL or 0).
+#: Columns the single INSERT writes for a new job (the rest keep their defaults: NULL or 0).
 _COPY_COLUMNS = ("id", "backend", "queue", "shard", "task_path", "args", "kwargs", "priority",
                  "state", "attempts", "generation", "max_attempts", "run_after", "enqueued_at",
                  "updated_at", "last_error")
@@ -183,24 +183,6 @@ def insert_new_jobs(using: str, new: NewJobs) -> None:
                 f"{kwargs.replace(BACKSLASH, ESCAPED)}\t{shared}\n"
                 for job_id, shard, args, kwargs in rows[start:start + 1000]
             ]))
-
-
-def insert_jobs(using: str, jobs: Sequence[Job]) -> None:
-    """Insert new job rows in bulk, inside the caller's transaction.
-
-    On PostgreSQL with COPY (see :func:`insert_new_jobs`, the bulk enqueue's
-    faster path); elsewhere with bulk_create.
-    """
-    connection = connections[using]
-    if connection.vendor != "postgresql":
-        Job.objects.using(using).bulk_create(jobs, batch_size=1000)
-        return
-    columns = ", ".join(_COPY_COLUMNS)
-    with connection.cursor() as cursor, cursor.cursor.copy(
-        f"COPY {Job._meta.db_table} ({columns}) FROM STDIN"
-    ) as copy:
-        for job in jobs:
-            copy.write_row(_row_values(job))
 
 
 def record(using: str, records: Iterable[AttemptRecord]) -> None:
