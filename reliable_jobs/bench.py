@@ -273,12 +273,20 @@ def measure_many_queues(backend: ReliableJobsBackend, queue: str, *, jobs: int, 
     reconciles all of them, which is what is measured.
     """
     task = bench_task(backend, queue)
+    idle = idle_queue_names(queues - 1)
     rates = []
-    for names in ([queue], [queue, *idle_queue_names(queues - 1)]):
-        backend.enqueue_many(task, (((), {}) for _ in range(jobs)))
-        worker = Worker(backend, queues=names, burst=True, prefetch=prefetch, grace_s=5)
-        rates.append(jobs / timed(worker.run))
-        Job.objects.using(backend.database).filter(task_path=task.module_path).delete()
+    try:
+        for names in ([queue], [queue, *idle]):
+            backend.enqueue_many(task, (((), {}) for _ in range(jobs)))
+            worker = Worker(backend, queues=names, burst=True, prefetch=prefetch, grace_s=5)
+            rates.append(jobs / timed(worker.run))
+            Job.objects.using(backend.database).filter(task_path=task.module_path).delete()
+    finally:
+        # The sweep leaves its cursor (and maybe a wake marker) per queue it served.
+        broker = backend.broker
+        for start in range(0, len(idle), 100):
+            broker.client.delete(*(key for name in idle[start:start + 100]
+                                   for key in (broker.keys(name).scan, broker.keys(name).wake)))
     return rates[0], rates[1]
 
 
