@@ -89,7 +89,7 @@ def insert_job(using: str, job: Job) -> None:
         cursor.execute(_PG_INSERT_JOB, _row_values(job))
 
 
-#: Columns COPY writes for a new job (the rest keep their defaults: NULL or 0).
+#: Columns the single INSERT writes for a new job (the rest keep their defaults: NULL or 0).
 _COPY_COLUMNS = ("id", "backend", "queue", "shard", "task_path", "args", "kwargs", "priority",
                  "state", "attempts", "generation", "max_attempts", "run_after", "enqueued_at",
                  "updated_at", "last_error")
@@ -107,23 +107,82 @@ def _row_values(job: Job) -> tuple[Any, ...]:
             job.updated_at, job.last_error)
 
 
-def insert_jobs(using: str, jobs: Sequence[Job]) -> None:
-    """Insert new job rows in bulk, inside the caller's transaction.
+@dataclass(frozen=True, slots=True)
+class NewJobs:
+    """The rows of one bulk enqueue: what every row shares, then what each row holds.
 
-    On PostgreSQL with COPY: Django's bulk_create spends most of a bulk
-    enqueue building and quoting parameters (docs/prototype-performance.md: COPY is the fastest
-    way in); elsewhere with bulk_create.
+    Kept as text, not model instances: building a ``Job`` per row cost more
+    Python than everything else in a bulk enqueue. ``rows`` holds (id, shard,
+    args JSON, kwargs JSON) per job; the JSON texts are the payload's own
+    (checked by :func:`payload.check_call`: no NUL, no lone surrogate, no
+    control character left unescaped).
+    """
+
+    backend: str
+    queue: str
+    task_path: str
+    priority: int
+    state: str
+    max_attempts: int
+    run_after: datetime | None
+    enqueued_at: datetime
+    rows: list[tuple[str, int, str, str]]
+
+
+#: COPY's column order for NewJobs: a row's own values first, then the shared ones.
+_NEW_JOB_COLUMNS = ("id", "shard", "args", "kwargs", "backend", "queue", "task_path",
+                    "priority", "state", "attempts", "generation", "max_attempts", "run_after",
+                    "enqueued_at", "updated_at", "last_error")
+
+
+#: A backslash, and how COPY's text format spells one.
+BACKSLASH, ESCAPED = "\\", "\\\\"
+
+
+def _copy_text(value: object) -> str:
+    """``value`` as a field of COPY's text format (None is NULL)."""
+    if value is None:
+        return "\\N"
+    text = value.isoformat() if isinstance(value, datetime) else str(value)
+    return (text.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n")
+            .replace("\r", "\\r"))
+
+
+def insert_new_jobs(using: str, new: NewJobs) -> None:
+    """Insert the rows of one bulk enqueue, inside the caller's transaction.
+
+    On PostgreSQL with one COPY in its text format, the lines written by
+    hand: the shared columns are formatted once, and per row only the id,
+    the shard and two JSON texts are joined (psycopg's ``write_row`` spent
+    more per row formatting each value; COPY is the fastest way in, see
+    docs/prototype-performance.md). The JSON texts hold no tab, newline or
+    carriage return (the encoder escapes control characters), so a backslash
+    is the one character to escape. Elsewhere with ``bulk_create``.
     """
     connection = connections[using]
     if connection.vendor != "postgresql":
-        Job.objects.using(using).bulk_create(jobs, batch_size=1000)
+        Job.objects.using(using).bulk_create([
+            Job(id=uuid.UUID(job_id), backend=new.backend, queue=new.queue, shard=shard,
+                task_path=new.task_path, args=json.loads(args), kwargs=json.loads(kwargs),
+                priority=new.priority, state=new.state, max_attempts=new.max_attempts,
+                run_after=new.run_after, enqueued_at=new.enqueued_at,
+                updated_at=new.enqueued_at)
+            for job_id, shard, args, kwargs in new.rows
+        ], batch_size=1000)
         return
-    columns = ", ".join(_COPY_COLUMNS)
+    shared = "\t".join(_copy_text(value) for value in (
+        new.backend, new.queue, new.task_path, new.priority, new.state, 0, 0,
+        new.max_attempts, new.run_after, new.enqueued_at, new.enqueued_at, ""))
     with connection.cursor() as cursor, cursor.cursor.copy(
-        f"COPY {Job._meta.db_table} ({columns}) FROM STDIN"
+        f"COPY {Job._meta.db_table} ({', '.join(_NEW_JOB_COLUMNS)}) FROM STDIN"
     ) as copy:
-        for job in jobs:
-            copy.write_row(_row_values(job))
+        rows = new.rows
+        for start in range(0, len(rows), 1000):
+            copy.write("".join([
+                f"{job_id}\t{shard}\t{args.replace(BACKSLASH, ESCAPED)}\t"
+                f"{kwargs.replace(BACKSLASH, ESCAPED)}\t{shared}\n"
+                for job_id, shard, args, kwargs in rows[start:start + 1000]
+            ]))
 
 
 def record(using: str, records: Iterable[AttemptRecord]) -> None:

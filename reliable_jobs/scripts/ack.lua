@@ -39,7 +39,9 @@ for i = 2, #ARGV, 3 do
   local job = redis.call('HMGET', job_key, 'state', 'attempts', 'gen')
   local gen = job[3] or '0'
   if job[1] == 'running' and job[2] == ARGV[i + 1] and gen == ARGV[i + 2] then
-    -- Claimed ids sit near the tail of processing: search from there.
+    -- The tail holds the oldest claims, which a lone worker acks first; with
+    -- many workers this walks past every older unacked id (O(in flight),
+    -- see bench/README.md: the fix is the leases zset as the in-flight index).
     redis.call('LREM', processing_key, -1, job_id)
     done_ids[#done_ids + 1] = job_id
     if gen == '0' then
