@@ -185,7 +185,8 @@ def test_cancel_takes_queued_and_scheduled_jobs_off_redis(
     # one is marked cancelled where it waits (cancel does not search the list)
     # and is gone (list and hash) once a worker reaches it, never run; both
     # are cancelled in the rows
-    assert said == ["Cancelled 2 jobs that had not started: they will not run."]
+    assert said == ["Cancelled 2 jobs: those waiting will not run, those running are being "
+                    "stopped."]
     assert redis_client.zrange(KEYS.scheduled, 0, -1) == []
     assert redis_client.hget(KEYS.job(later.id), "state") == "cancelled"
     assert redis_client.pttl(KEYS.job(later.id)) > 0
@@ -389,13 +390,14 @@ def test_a_big_selection_is_handled_in_bounded_steps(
     said = act(boss, "cancel_jobs", *[r.id for r in results])
 
     # Then three are cancelled, and the message says how to do the rest
-    assert said == ["Cancelled 3 jobs that had not started: they will not run.",
+    assert said == ["Cancelled 3 jobs: those waiting will not run, those running are being "
+                    "stopped.",
                     "Only 3 of the 5 selected jobs were handled; select the rest (the state "
                     "filter helps) and run the action again."]
     assert Job.objects.filter(state=JobState.CANCELLED).count() == 3
     rest = Job.objects.filter(state=JobState.QUEUED).values_list("pk", flat=True)
     assert act(boss, "cancel_jobs", *map(str, rest)) == [
-        "Cancelled 2 jobs that had not started: they will not run."]
+        "Cancelled 2 jobs: those waiting will not run, those running are being stopped."]
 
 
 def test_redis_down_changes_nothing_and_says_so(
