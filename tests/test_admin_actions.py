@@ -22,6 +22,7 @@ from django.utils import timezone
 from reliable_jobs import admin as rj_admin
 from reliable_jobs import staff
 from reliable_jobs.backend import ReliableJobsBackend
+from reliable_jobs.broker import Applied
 from reliable_jobs.keys import QueueKeys
 from reliable_jobs.models import Attempt, Job, JobState
 from testproject.demo import tasks as demo
@@ -202,28 +203,38 @@ def test_cancel_takes_queued_and_scheduled_jobs_off_redis(
     assert LogEntry.objects.count() == 2
 
 
-def test_cancel_never_drops_a_running_job(
+def test_cancel_marks_a_running_job_and_its_holder_finishes_it_cancelled(
     backend: ReliableJobsBackend, boss: Client, redis_client: redis.Redis
 ) -> None:
     # Given: a job a worker holds, whose row still says queued (the start
     # mark is a batch behind), and a finished one
     held = demo.add.enqueue(1, 1)
-    backend.broker.claim("default", count=1, lease_ms=60_000)
+    [claim] = backend.broker.claim("default", count=1, lease_ms=60_000).jobs
     done = demo.add.enqueue(2, 2)
     run_attempt(backend, done.id, outcome="succeeded")
     assert Job.objects.get(pk=held.id).state == JobState.QUEUED
-    before = snapshot(redis_client, held.id, done.id)
+    before_done = snapshot(redis_client, done.id)
 
-    # When staff try to cancel them
+    # When staff cancel both
     said = act(boss, "cancel_jobs", held.id, done.id)
 
-    # Then Redis decides: the running job is left to finish, nothing is written
+    # Then Redis decides: the running job is marked for cancellation where it
+    # is (its worker stops it) and its row is cancelled; the finished one is
+    # left as it was, and says so
     assert sorted(said) == sorted([
-        f"Job {held.id} is running: a job that has started is not cancelled; it was left "
-        "to finish.",
+        f"Job {held.id} was cancelled while running: its worker stops it and it will not run "
+        "again.",
         f"Job {done.id} has finished (succeeded): there is nothing to cancel.",
     ])
-    assert snapshot(redis_client, held.id, done.id) == before
+    assert redis_client.hget(KEYS.job(held.id), "cancel") == f"{claim.attempt}:{claim.gen}"
+    assert redis_client.lrange(KEYS.processing, 0, -1) == [held.id]
+    assert Job.objects.get(pk=held.id).state == JobState.CANCELLED
+    assert snapshot(redis_client, done.id) == before_done
+    assert LogEntry.objects.count() == 1
+    # and when its holder acks, the job ends as cancelled, never acked or retried
+    assert backend.broker.ack("default", [claim.fence]) == [Applied.CANCELLED]
+    assert redis_client.hgetall(KEYS.job(held.id)) == {"state": "cancelled", "gen": "0"}
+    assert not redis_client.zrange(KEYS.leases, 0, -1)
 
 
 def test_cancel_of_a_job_redis_does_not_hold_writes_nothing(
