@@ -319,11 +319,15 @@ def _joined(values: Iterable[Any]) -> str:
     return _SEPARATOR + _SEPARATOR.join(
         "" if v is None else v.isoformat() if isinstance(v, datetime)
         else str(v).replace(_SEPARATOR, " ") for v in values)
-# Locks every row of the batch, and returns the ids of those cancelled.
+# Locks every row of the batch, and returns the ids of those cancelled. The
+# CTE is MATERIALIZED: a locking sub-SELECT locks only the rows it returns,
+# and the planner could push "state = 'cancelled'" down into it, leaving the
+# others unlocked (a cancel could then slip in between this and the writes).
 _PG_LOCK_JOBS = f"""
-SELECT id FROM (SELECT id, state FROM {Job._meta.db_table}
-                WHERE id = ANY({_column("uuid")}) ORDER BY id FOR NO KEY UPDATE) AS locked
-WHERE state = 'cancelled'
+WITH locked AS MATERIALIZED (
+    SELECT id, state FROM {Job._meta.db_table}
+    WHERE id = ANY({_column("uuid")}) ORDER BY id FOR NO KEY UPDATE)
+SELECT id FROM locked WHERE state = 'cancelled'
 """
 
 _PG_UPSERT_ATTEMPTS = f"""

@@ -50,8 +50,8 @@ if state == 'scheduled' and redis.call('ZREM', scheduled_key, job_id) > 0 then
   return { 1, state }
 end
 if state == 'running' then
-  local token = redis.call('HMGET', job_key, 'attempts', 'gen')
-  if redis.call('HEXISTS', job_key, 'cancel') == 0 then
+  local token = redis.call('HMGET', job_key, 'attempts', 'gen', 'cancel')
+  if not token[3] then
     redis.call('HSET', job_key, 'cancel', (token[1] or '0') .. ':' .. (token[2] or '0'))
   end
   return { 1, state }
