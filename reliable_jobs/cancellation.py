@@ -46,8 +46,9 @@ class Cancellation:
         self._requested = False
         self._hooks: list[Callable[[], object]] | None = None
 
-    @property
     def requested(self) -> bool:
+        """Whether a cancel was requested (a call, not a property: it changes under
+        the caller's feet, and type checkers narrow properties)."""
         return self._requested
 
     def request(self) -> None:
@@ -105,11 +106,11 @@ class JobContext(_ContextBase):  # type: ignore[misc]  # frozen at run time; the
     @property
     def cancelled(self) -> bool:
         """True once staff or code cancelled this job while it ran."""
-        return self.cancellation.requested
+        return self.cancellation.requested()
 
     def raise_if_cancelled(self) -> None:
         """A checkpoint: raise :class:`~reliable_jobs.exceptions.JobCancelled` if cancelled."""
-        if self.cancellation.requested:
+        if self.cancellation.requested():
             raise JobCancelled("the task stopped at a cancellation checkpoint")
 
     def sleep(self, seconds: float) -> bool:

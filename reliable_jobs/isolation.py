@@ -136,7 +136,7 @@ def run_in_child(*, payload_text: str, job_id: str, attempt: int, worker_id: str
             reply = json.loads(receiver.recv_bytes())
         except (EOFError, OSError):
             child.join(timeout=5)
-            if cancellation is not None and cancellation.requested:
+            if cancellation is not None and cancellation.requested():
                 raise JobCancelled("its process was killed") from None
             raise ChildDied(f"the task's process exited with code {child.exitcode} "
                             "before answering") from None

@@ -191,6 +191,8 @@ class Executor:
             result = self._task_result(task, job, decoded, started_at)
             task_started.send(type(self.backend), task_result=result)
             crash_point("in_task")
+            if cancellation.requested():  # since its start mark: do not begin the task
+                raise JobCancelled("it was cancelled before its task began")
             timeout_ms = self.backend.task_option(task, "timeout_ms")
             if timeout_ms:
                 value = run_in_child(
@@ -206,12 +208,12 @@ class Executor:
                 value = task.call(*decoded.args, **decoded.kwargs)
             value = normalize_json(value)
         except Exception as exc:
-            if cancellation.requested:
+            if cancellation.requested():
                 self._cancelled(job, exc, task_path, result, started_at)
             else:
                 self._fail(job, exc, task_path, result, started_at, started_clock)
         else:
-            if cancellation.requested:
+            if cancellation.requested():
                 self._cancelled(job, None, task_path, result, started_at)
                 return
             finished_at = timezone.now()

@@ -102,7 +102,7 @@ class InHand:
         with self._lock:
             found = [(held.job, held.cancellation) for job in jobs
                      if (held := self._held.get(held_key(job))) is not None]
-        fresh = [job for job, cancellation in found if not cancellation.requested]
+        fresh = [job for job, cancellation in found if not cancellation.requested()]
         for _, cancellation in found:
             cancellation.request()  # outside the lock: it runs hooks (kills a child)
         return fresh
