@@ -254,12 +254,13 @@ class JobAdmin(ReadOnlyMixin, admin.ModelAdmin):  # type: ignore[type-arg]  # as
         self._act(request, queryset, staff.retry,
                   _("%(n)s dead jobs are queued again, each with a fresh attempt budget."))
 
-    @admin_action(description=_("Cancel (queued or scheduled jobs that have not started)"),
-                  description_plural=_("Cancel selected jobs that have not started"),
+    @admin_action(description=_("Cancel (a waiting job never runs, a running one is stopped)"),
+                  description_plural=_("Cancel selected unfinished jobs"),
                   permissions=["cancel"])
     def cancel_jobs(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
         self._act(request, queryset, staff.cancel,
-                  _("Cancelled %(n)s jobs that had not started: they will not run."))
+                  _("Cancelled %(n)s jobs: those waiting will not run, those running are "
+                    "being stopped."))
 
     @admin_action(description=_("Requeue (run a scheduled job now, or a cancelled one again)"),
                   description_plural=_("Requeue selected scheduled or cancelled jobs"),

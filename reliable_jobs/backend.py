@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import fields
 from datetime import datetime
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.apps import apps
 from django.conf import settings
@@ -45,6 +45,9 @@ from .compat import (
 from .keys import is_valid_queue_name, shard_queue
 from .reachability import ensure_reachable
 from .tasks import ReliableTask, lookup
+
+if TYPE_CHECKING:
+    from .staff import Outcome
 
 logger = logging.getLogger("reliable_jobs")
 
@@ -277,6 +280,27 @@ class ReliableJobsBackend(BaseTaskBackend):
         if result.status == TaskResultStatus.SUCCESSFUL:
             object.__setattr__(result, "_return_value", job.return_value)
         return result
+
+    # -- cancel ------------------------------------------------------------
+
+    def cancel(self, result_id: str) -> Outcome:
+        """Cancel an unfinished job, whatever its state: see ``staff.cancel``.
+
+        Returns a ``staff.Outcome``: ``done`` says whether it was cancelled
+        (False when it had already finished, or Redis does not hold it yet),
+        ``message`` why, as a sentence. Raises ``TaskResultDoesNotExist``
+        for an id this backend never enqueued.
+        """
+        from . import staff
+        from .models import Job
+
+        try:
+            job_id = uuid.UUID(str(result_id))
+        except ValueError:
+            raise TaskResultDoesNotExist(result_id) from None
+        if not Job.objects.using(self.database).filter(pk=job_id, backend=self.alias).exists():
+            raise TaskResultDoesNotExist(result_id)
+        return staff.cancel(self, job_id)
 
     # -- checks ------------------------------------------------------------
 

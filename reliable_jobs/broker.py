@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from enum import IntEnum
 from typing import Any
 
 import redis
@@ -65,6 +66,26 @@ TOMBSTONE_MS = 3_600_000
 Fence = tuple[str, int, int]
 
 
+class Applied(IntEnum):
+    """What a fenced script did with one token: its per-group reply.
+
+    An int, so code that only asks "was it held?" can treat it as a bool.
+    """
+
+    #: The token is no longer current: nothing was done.
+    REFUSED = 0
+    #: Done as asked (started, renewed, acked, nacked, released).
+    DONE = 1
+    #: The job is marked for cancellation (cancel.lua): extend renewed it
+    #: and says so; start did not mark it; ack, nack and release finished
+    #: it as cancelled instead.
+    CANCELLED = 2
+
+
+def _applied(replies: Sequence[Any]) -> list[Applied]:
+    return [Applied(int(r)) for r in replies]
+
+
 def epoch_ms(moment: datetime | None) -> int:
     """A moment as ``NewJob.due_ms`` wants it: ms since the epoch, 0 for "now" (None)."""
     return 0 if moment is None else int(moment.timestamp() * 1000)
@@ -115,8 +136,8 @@ class ClaimResult:
 class RecoveredJob:
     id: str
     attempts: int
-    #: 'settled', 'expired', 'unstarted', 'dead', 'orphan', 'garbage' or
-    #: 'dropped'; see recover.lua.
+    #: 'settled', 'cancelled', 'expired', 'unstarted', 'dead', 'orphan',
+    #: 'garbage' or 'dropped'; see recover.lua.
     kind: str
     #: The job's budget after recovery (an unstarted claim is refunded).
     max_attempts: int = field(default=0, compare=False)
@@ -130,7 +151,7 @@ class Settlement:
     id: str
     attempt: int
     gen: int
-    #: 'succeeded' or 'dead'.
+    #: 'succeeded', 'dead' or 'cancelled'.
     final: str
     error: str = ""
 
@@ -349,54 +370,61 @@ class Broker:
         self._wake(queue, int(remaining))  # work left behind: wake the next idle worker
         return ClaimResult(jobs, dead, list(garbage), int(remaining))
 
-    def start(self, queue: str, held: Sequence[Fence]) -> list[bool]:
-        """Mark held attempts as started; False where the attempt is no longer held."""
+    def start(self, queue: str, held: Sequence[Fence]) -> list[Applied]:
+        """Mark held attempts as started: DONE (run it), CANCELLED (do not run it,
+        ack it) or REFUSED (no longer held)."""
         if not held:
             return []
         k = self.keys(queue)
         args = [x for fence in held for x in fence]
-        return [bool(r) for r in self._run("start", (k.job_prefix,), args)]
+        return _applied(self._run("start", (k.job_prefix,), args))
 
-    def ack(self, queue: str, held: Sequence[Fence]) -> list[bool]:
-        """Finish succeeded jobs; False where the attempt is no longer held."""
+    def ack(self, queue: str, held: Sequence[Fence]) -> list[Applied]:
+        """Finish jobs: DONE, CANCELLED (marked while it ran, finished as cancelled)
+        or REFUSED (the attempt is no longer held)."""
         if not held:
             return []
         k = self.keys(queue)
         args: list[Any] = [TOMBSTONE_MS]
         args += [x for fence in held for x in fence]
-        return [bool(r) for r in self._run("ack", (k.processing, k.leases, k.job_prefix), args)]
+        return _applied(self._run("ack", (k.processing, k.leases, k.job_prefix), args))
 
-    def nack(self, queue: str, failed: Sequence[tuple[str, int, int, int, str]]) -> list[bool]:
-        """Apply (id, attempt, gen, delay_ms or -1 for dead, error) decisions, fenced."""
+    def nack(self, queue: str, failed: Sequence[tuple[str, int, int, int, str]]
+             ) -> list[Applied]:
+        """Apply (id, attempt, gen, delay_ms or -1 for dead, error) decisions, fenced;
+        a job marked for cancellation is finished as cancelled instead (CANCELLED)."""
         if not failed:
             return []
         k = self.keys(queue)
         args = [x for entry in failed for x in entry]
         keys = (k.queued, k.processing, k.leases, k.scheduled, k.dead, k.wake, k.job_prefix)
-        applied = [bool(r) for r in self._run("nack", keys, args)]
-        self._wake(queue, any(ok and entry[3] == 0 for ok, entry in zip(applied, failed,
-                                                                            strict=True)))
+        applied = _applied(self._run("nack", keys, args))
+        self._wake(queue, any(ok == Applied.DONE and entry[3] == 0
+                              for ok, entry in zip(applied, failed, strict=True)))
         return applied
 
-    def extend(self, queue: str, held: Sequence[Fence], *, lease_ms: int) -> list[bool]:
-        """Renew leases of held attempts; False where the attempt was lost."""
+    def extend(self, queue: str, held: Sequence[Fence], *, lease_ms: int) -> list[Applied]:
+        """Renew leases of held attempts: DONE, CANCELLED (renewed, and the job is
+        to be cancelled: stop its task) or REFUSED (the attempt was lost)."""
         if not held:
             return []
         k = self.keys(queue)
         args: list[Any] = [lease_ms]
         args += [x for fence in held for x in fence]
-        return [bool(r) for r in self._run("extend", (k.leases, k.job_prefix), args)]
+        return _applied(self._run("extend", (k.leases, k.job_prefix), args))
 
-    def release(self, queue: str, held: Sequence[tuple[str, int, int, bool]]) -> list[bool]:
-        """Put (id, attempt, gen, started) back on queued at once (graceful stop)."""
+    def release(self, queue: str, held: Sequence[tuple[str, int, int, bool]]
+                ) -> list[Applied]:
+        """Put (id, attempt, gen, started) back on queued at once (graceful stop);
+        a job marked for cancellation is finished as cancelled instead (CANCELLED)."""
         if not held:
             return []
         k = self.keys(queue)
         args = [x for job_id, attempt, gen, started in held
                 for x in (job_id, attempt, gen, int(started))]
         keys = (k.queued, k.processing, k.leases, k.wake, k.job_prefix)
-        released = [bool(r) for r in self._run("release", keys, args)]
-        self._wake(queue, any(released))
+        released = _applied(self._run("release", keys, args))
+        self._wake(queue, Applied.DONE in released)
         return released
 
     # -- the sweep -------------------------------------------------------
@@ -460,7 +488,8 @@ class Broker:
     # -- staff actions ---------------------------------------------------
 
     def cancel(self, queue: str, job_id: str) -> tuple[bool, str]:
-        """Cancel a job that has not started; returns (cancelled, state found)."""
+        """Cancel a job: a waiting one is taken off, a running one is marked for
+        cancellation (its holder stops it); returns (done, state found)."""
         k = self.keys(queue)
         cancelled, state = self._run("cancel", (k.queued, k.scheduled, k.job_prefix),
                                      (job_id, TOMBSTONE_MS))

@@ -107,6 +107,12 @@ def log_attempt(level: int, job: ClaimedJob, task_path: str, outcome: str, durat
                    waited, extra={"rj": fields})
         return
     fields["error"] = error
+    if outcome == AttemptOutcome.CANCELLED:
+        fields["next"], fields["retry_in_ms"] = "cancelled", None
+        worker_logger.log(level, "Job %s %s attempt %d/%d was cancelled after %.1f ms (queue %s, "
+                          "%s): %s.", fields["job"], task_path, job.attempt, job.max_attempts,
+                          duration_ms, where, waited, error, extra={"rj": fields})
+        return
     fields["next"] = "dead" if retry_in_ms is None else "retry"
     fields["retry_in_ms"] = retry_in_ms
     verb = "timed out" if outcome == AttemptOutcome.TIMED_OUT else "failed"

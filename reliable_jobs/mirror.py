@@ -14,7 +14,11 @@ final:
 - an attempt recorded as lease_expired (its worker lost the job) does not
   move the job when its late result arrives: the history keeps the result
   in the attempt's error, the job follows the attempt that holds it now;
-- no worker record moves a cancelled job.
+- no worker record moves a cancelled job, and an attempt that ends after
+  its job was cancelled (staff or code cancelled it while it ran) is
+  recorded as cancelled, whatever it returned or raised: the job ends
+  either succeeded (its outcome reached the mirror first, and the cancel
+  is refused) or cancelled, never both.
 
 Worker writes arrive in batches (one transaction per batch); a failed batch
 is retried by the caller, never dropped, and the Redis ack waits for it.
@@ -35,15 +39,20 @@ from django.db.models.functions import Coalesce, Greatest
 from django.utils import timezone
 
 from . import payload
-from .exceptions import LeaseExpired, class_path
+from .exceptions import JobCancelled, LeaseExpired, class_path
 from .faults import stop_point
 from .keys import shard_queue
 from .models import UNFINISHED_STATES, Attempt, AttemptOutcome, Job, JobState
 
 #: States after which a job never runs again.
 TERMINAL_STATES = (JobState.SUCCEEDED, JobState.DEAD)
-#: Outcomes an attempt reaches by running its task to the end.
-RAN_OUTCOMES = (AttemptOutcome.SUCCEEDED, AttemptOutcome.FAILED, AttemptOutcome.TIMED_OUT)
+#: Outcomes an attempt reaches by running its task to the end, or by being
+#: cancelled: final for the attempt.
+RAN_OUTCOMES = (AttemptOutcome.SUCCEEDED, AttemptOutcome.FAILED, AttemptOutcome.TIMED_OUT,
+                AttemptOutcome.CANCELLED)
+#: What a cancelled attempt's error starts with (TaskError imports the class).
+CANCELLED_ERROR = f"{class_path(JobCancelled)}: the job was cancelled"
+
 #: Outcomes that say only that the attempt's worker let go of the job: they
 #: never overwrite an outcome the attempt itself recorded (RAN_OUTCOMES).
 LOSS_OUTCOMES = (AttemptOutcome.LEASE_EXPIRED, AttemptOutcome.RELEASED)
@@ -219,6 +228,7 @@ def record(using: str, records: Iterable[AttemptRecord]) -> None:
             # attempt INSERT that reserved its key before waiting for that row
             # would deadlock with the sweep's own record of the attempt.
             cursor.execute(_PG_LOCK_JOBS, [_joined(sorted(newest))])
+            _mark_cancelled_attempts(merged.values(), {str(row[0]) for row in cursor.fetchall()})
             _pg_write_attempts(cursor, list(merged.values()))
             stop_point("in_mirror_transaction")
             _pg_write_jobs(cursor, list(newest.values()))
@@ -232,9 +242,12 @@ def record(using: str, records: Iterable[AttemptRecord]) -> None:
     with transaction.atomic(using=using):
         jobs = Job.objects.using(using)
         # Rows first, in id order (see the PostgreSQL branch); a no-op on SQLite.
-        known = {str(pk): gen for ids in _chunks(sorted(newest))
-                 for pk, gen in jobs.select_for_update(no_key=True).filter(pk__in=ids)
-                 .order_by("pk").values_list("pk", "generation")}
+        locked = [(str(pk), gen, state) for ids in _chunks(sorted(newest))
+                  for pk, gen, state in jobs.select_for_update(no_key=True).filter(pk__in=ids)
+                  .order_by("pk").values_list("pk", "generation", "state")]
+        known = {pk: gen for pk, gen, _ in locked}
+        _mark_cancelled_attempts(merged.values(),
+                                 {pk for pk, _, state in locked if state == JobState.CANCELLED})
         _write_attempts(using, [r for r in merged.values() if known.get(r.job_id) == r.gen])
         stop_point("in_mirror_transaction")
         # Attempts the worker lost (see the PostgreSQL statement's NOT EXISTS).
@@ -261,6 +274,37 @@ def record(using: str, records: Iterable[AttemptRecord]) -> None:
                 closing |= Q(job_id=rec.job_id, number__lt=rec.attempt)
             Attempt.objects.using(using).filter(closing, outcome="").update(
                 outcome=AttemptOutcome.LEASE_EXPIRED, finished_at=now, error=ABANDONED_ERROR)
+
+
+def _mark_cancelled_attempts(records: Iterable[AttemptRecord], cancelled: set[str]) -> None:
+    """Record as cancelled, in place, the outcomes of attempts whose job was cancelled.
+
+    Staff or code cancelled the job while the attempt ran (its row is
+    'cancelled', locked by the caller): whatever the attempt did after that
+    is not the job's outcome, and the history says so instead of showing a
+    success under a cancelled job. Records of the job's generation only
+    reach the row (the writes are fenced by generation).
+    """
+    if not cancelled:
+        return
+    for rec in records:
+        if rec.job_id in cancelled and rec.outcome in (
+                AttemptOutcome.SUCCEEDED, AttemptOutcome.FAILED, AttemptOutcome.TIMED_OUT):
+            ended = f"{rec.outcome}: {rec.error}" if rec.error else rec.outcome
+            if not rec.error.startswith(CANCELLED_ERROR):
+                rec.error = (f"{CANCELLED_ERROR} while it ran; the attempt then ended "
+                             f"({ended}) and that result was discarded")
+            rec.outcome = AttemptOutcome.CANCELLED
+            rec.job_state = JobState.CANCELLED
+            rec.return_value = None
+            rec.retry_at = None
+
+
+def cancelled_record(job_id: str, attempt: int, *, gen: int, error: str) -> AttemptRecord:
+    """The record of an attempt that ended cancelled (worker or sweep)."""
+    return AttemptRecord(job_id=job_id, attempt=attempt, gen=gen, job_state=JobState.CANCELLED,
+                         finished_at=timezone.now(), outcome=AttemptOutcome.CANCELLED,
+                         error=error)
 
 
 #: The largest attempt number the mirror's integer columns hold.
@@ -293,7 +337,7 @@ def _job_changes(rec: AttemptRecord, now: datetime) -> dict[str, Any]:
     changes: dict[str, Any] = {"state": rec.job_state, "attempts": rec.attempt, "updated_at": now}
     if rec.started_at:
         changes["started_at"] = Coalesce("started_at", rec.started_at)
-    if rec.job_state in TERMINAL_STATES:
+    if rec.job_state in TERMINAL_STATES or rec.job_state == JobState.CANCELLED:
         changes["finished_at"] = rec.finished_at or now
     if rec.job_state == JobState.SUCCEEDED:
         changes["return_value"] = rec.return_value
@@ -334,9 +378,15 @@ def _joined(values: Iterable[Any]) -> str:
     return _SEPARATOR + _SEPARATOR.join(
         "" if v is None else v.isoformat() if isinstance(v, datetime)
         else str(v).replace(_SEPARATOR, " ") for v in values)
+# Locks every row of the batch, and returns the ids of those cancelled. The
+# CTE is MATERIALIZED: a locking sub-SELECT locks only the rows it returns,
+# and the planner could push "state = 'cancelled'" down into it, leaving the
+# others unlocked (a cancel could then slip in between this and the writes).
 _PG_LOCK_JOBS = f"""
-SELECT 1 FROM {Job._meta.db_table}
-WHERE id = ANY({_column("uuid")}) ORDER BY id FOR NO KEY UPDATE
+WITH locked AS MATERIALIZED (
+    SELECT id, state FROM {Job._meta.db_table}
+    WHERE id = ANY({_column("uuid")}) ORDER BY id FOR NO KEY UPDATE)
+SELECT id FROM locked WHERE state = 'cancelled'
 """
 
 _PG_UPSERT_ATTEMPTS = f"""
@@ -371,7 +421,7 @@ UPDATE {Job._meta.db_table} AS j SET
     state = v.state,
     attempts = v.attempt,
     started_at = COALESCE(j.started_at, v.started_at),
-    finished_at = CASE WHEN v.state IN ('succeeded', 'dead')
+    finished_at = CASE WHEN v.state IN ('succeeded', 'dead', 'cancelled')
                        THEN COALESCE(v.finished_at, now()) ELSE j.finished_at END,
     return_value = CASE WHEN v.state = 'succeeded' THEN v.return_value::jsonb
                         ELSE j.return_value END,

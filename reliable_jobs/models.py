@@ -45,10 +45,13 @@ class AttemptOutcome(models.TextChoices):
     LEASE_EXPIRED = "lease_expired", _("Lease expired")
     RELEASED = "released", _("Released")
     TIMED_OUT = "timed_out", _("Timed out")
+    #: Cancelled by staff or code while it was claimed or running.
+    CANCELLED = "cancelled", _("Cancelled")
 
 
 #: Outcomes that count as an error in ``TaskResult.errors``.
-FAILED_OUTCOMES = (AttemptOutcome.FAILED, AttemptOutcome.LEASE_EXPIRED, AttemptOutcome.TIMED_OUT)
+FAILED_OUTCOMES = (AttemptOutcome.FAILED, AttemptOutcome.LEASE_EXPIRED, AttemptOutcome.TIMED_OUT,
+                   AttemptOutcome.CANCELLED)
 
 
 class JobQuerySet(models.QuerySet["Job"]):
@@ -100,7 +103,7 @@ class Job(models.Model):
         # Staff actions in the admin, each granted on its own (staff.py).
         permissions = [
             ("retry_job", _("Can retry dead jobs")),
-            ("cancel_job", _("Can cancel jobs that have not started")),
+            ("cancel_job", _("Can cancel unfinished jobs")),
             ("requeue_job", _("Can requeue scheduled or cancelled jobs")),
         ]
 

@@ -37,7 +37,7 @@ from django.db import DatabaseError, InterfaceError
 from django.utils import timezone
 
 from .. import mirror
-from ..broker import REDIS_ERRORS, ClaimedJob
+from ..broker import REDIS_ERRORS, Applied, ClaimedJob
 from ..exceptions import AttemptsExhausted, class_path
 from ..faults import crash_point
 from ..handoff import JobBuffer
@@ -266,7 +266,11 @@ class Worker:
                                "and the sweep will recover them.", len(entries), exc)
                 continue
             for (job_id, attempt, gen, started), ok in zip(entries, done, strict=True):
-                if ok and started:
+                if ok == Applied.CANCELLED:  # cancelled while in hand: not handed back
+                    released.append(mirror.cancelled_record(
+                        job_id, attempt, gen=gen, error=f"{mirror.CANCELLED_ERROR} while the "
+                        "worker held it; the worker stopped and did not hand it back"))
+                elif ok and started:
                     released.append(AttemptRecord(
                         job_id=job_id, attempt=attempt, gen=gen, job_state=JobState.QUEUED,
                         finished_at=timezone.now(), outcome=AttemptOutcome.RELEASED,
@@ -408,7 +412,7 @@ class Worker:
         s = self.stats
         return (f"{self._claimed_total} claimed, {s.succeeded} succeeded, {s.failed} failed "
                 f"(retrying), {s.dead} dead, {s.refused} refused as stale, "
-                f"{len(self.in_hand)} in hand")
+                f"{s.cancelled} cancelled, {len(self.in_hand)} in hand")
 
 
 __all__ = ["Worker", "WorkerStats", "default_worker_id"]
