@@ -10,7 +10,7 @@ started again (about ``LEASE_MS`` + ``SWEEP_INTERVAL_MS``, plus the wait behind
 the jobs its next worker had already prefetched).
 
 Beyond the queue's own records, the run keeps an execution ledger
-(:mod:`reliable_jobs.chaos_ledger`): the chaos task writes every run of its
+(:mod:`reliable_jobs.contrib.verify.chaos_ledger`): the chaos task writes every run of its
 body (job, attempt, pid, start, end, outcome) into files the queue never
 touches, and the run checks it against the pids it killed and the mirror's
 final states: no two runs of one job overlapping in time, no job re-run
@@ -55,20 +55,21 @@ from django.conf import settings
 from django.db import connections
 from django.utils import timezone
 
+from reliable_jobs.compat import Task
+from reliable_jobs.models import Attempt, AttemptOutcome, Job, JobState
+from reliable_jobs.netfaults import CuttableProxy
+from reliable_jobs.supervisor import signal_when_parent_dies
+from reliable_jobs.tasks import discover, lookup
+from reliable_jobs.worker.executor import MARK_AHEAD
+
 from . import chaos_ledger
-from .compat import Task
-from .models import Attempt, AttemptOutcome, Job, JobState
-from .netfaults import CuttableProxy
-from .supervisor import signal_when_parent_dies
-from .tasks import discover, lookup
-from .worker.executor import MARK_AHEAD
 
 if TYPE_CHECKING:
-    from .backend import ReliableJobsBackend
+    from reliable_jobs.backend import ReliableJobsBackend
 
-#: The task a chaos run enqueues unless told otherwise: it sleeps, so jobs
-#: are running (not just queued) when their worker is killed.
-DEFAULT_TASK = "testproject.demo.tasks.chaos_job"
+#: The task a chaos run enqueues unless told otherwise (this app's): it
+#: sleeps, so jobs are running (not just queued) when their worker is killed.
+DEFAULT_TASK = "reliable_jobs.contrib.verify.tasks.chaos_job"
 #: Seconds the sweep process waits between passes.
 SWEEP_INTERVAL_S = 0.5
 #: Seconds a worker gets to finish its jobs once the run stops it (``--grace``).

@@ -19,27 +19,15 @@ from typing import Any
 from django.db import connections
 from django.utils import timezone
 
-from . import mirror, payload, scripts
-from .backend import ReliableJobsBackend, mirror_job
-from .compat import Task
-from .models import Job
-from .retention import prune
-from .worker import Worker
+from reliable_jobs import mirror, payload, scripts
+from reliable_jobs.backend import ReliableJobsBackend, mirror_job
+from reliable_jobs.compat import Task
+from reliable_jobs.models import Job
+from reliable_jobs.retention import prune
+from reliable_jobs.worker import Worker
 
-
-def noop() -> None:
-    """The benchmark's task: nothing, so only the queue's cost is left."""
-
-
-#: When each latency probe's task began (perf_counter), by token.
-_first_lines: dict[str, float] = {}
-_arrived = threading.Event()
-
-
-def first_line(token: str) -> None:
-    """The latency probe: note when the task's first line runs."""
-    _first_lines[token] = time.perf_counter()
-    _arrived.set()
+from . import tasks
+from .tasks import first_line, noop
 
 
 @dataclass(frozen=True)
@@ -115,12 +103,12 @@ def measure_latency(backend: ReliableJobsBackend, queue: str, *, samples: int) -
         time.sleep(0.5)  # let it reach its blocking wait
         for sample in range(samples):
             token = f"probe-{sample}"
-            _arrived.clear()
+            tasks.arrived.clear()
             task.enqueue(token)
             returned = time.perf_counter()
-            if not _arrived.wait(timeout=10):
+            if not tasks.arrived.wait(timeout=10):
                 raise RuntimeError("a latency probe did not run within 10 s")
-            latencies.append((_first_lines.pop(token) - returned) * 1000)
+            latencies.append((tasks.first_lines.pop(token) - returned) * 1000)
             time.sleep(0.002)  # the worker goes back to its blocking wait
     finally:
         worker.stop()

@@ -1,4 +1,4 @@
-"""``manage.py chaosjobs``: SIGKILL workers under load, count every job (reliable_jobs.chaos)."""
+"""``manage.py chaosjobs``: SIGKILL workers under load, count every job (see verify/chaos.py)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,13 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from reliable_jobs.chaos import DEFAULT_TASK, ChaosConfig, ChaosError, ChaosRun, Interrupted
 from reliable_jobs.management.commands.runworker import (
     add_queue_and_backend_arguments,
     get_backend,
     quiet_logging,
 )
+
+from ...chaos import DEFAULT_TASK, ChaosConfig, ChaosError, ChaosRun, Interrupted
 
 
 class Command(BaseCommand):
