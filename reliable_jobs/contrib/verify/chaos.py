@@ -63,6 +63,7 @@ from reliable_jobs.tasks import discover, lookup
 from reliable_jobs.worker.executor import MARK_AHEAD
 
 from . import chaos_ledger
+from .broker_reads import lease_count, worker_info
 
 if TYPE_CHECKING:
     from reliable_jobs.backend import ReliableJobsBackend
@@ -444,7 +445,7 @@ class ChaosRun:
             raise ChaosError(" ".join(problems))
         broker = self.backend.broker
         counts = broker.counts(self.queue)
-        leases = broker.lease_count(self.queue)
+        leases = lease_count(broker, self.queue)
         unfinished = Job.objects.using(self.backend.database).unfinished().filter(
             backend=self.backend.alias, queue=self.queue).count()
         if counts.queued or counts.running or counts.scheduled or leases or unfinished:
@@ -560,7 +561,7 @@ class ChaosRun:
                 if slot.proc.poll() is not None:
                     raise ChaosError(f"Worker {worker_id} exited with {slot.proc.returncode} "
                                      f"while starting:\n{fleet.log_tail(slot.name)}")
-                if self.backend.broker.worker_info(worker_id) is not None:
+                if worker_info(self.backend.broker, worker_id) is not None:
                     del waiting[worker_id]
             if waiting and time.monotonic() > deadline:
                 raise ChaosError(f"Workers {', '.join(waiting)} did not start within "
@@ -651,7 +652,7 @@ class ChaosRun:
             return
         slot = self.rng.choice(alive)
         broker = self.backend.broker
-        info = broker.worker_info(slot.worker_id) or {}
+        info = worker_info(broker, slot.worker_id) or {}
         prefix = f"{self.queue}:"
         listed = [entry[len(prefix):] for entry in info.get("jobs", [])
                   if entry.startswith(prefix)]
@@ -709,7 +710,7 @@ class ChaosRun:
             return False
         counts = self.backend.broker.counts(self.queue)
         return not (counts.queued or counts.running or counts.scheduled
-                    or self.backend.broker.lease_count(self.queue))
+                    or lease_count(self.backend.broker, self.queue))
 
     def _forget_killed(self) -> None:
         """Drop the heartbeats of killed workers, so the admin does not list them as live."""
@@ -798,7 +799,7 @@ class ChaosRun:
         ][:10]
         return (f"job states {dict(states)}; Redis: {counts.queued} queued, {counts.running} "
                 f"processing, {counts.scheduled} scheduled, "
-                f"{self.backend.broker.lease_count(self.queue)} leases; first unfinished: "
+                f"{lease_count(self.backend.broker, self.queue)} leases; first unfinished: "
                 + ("; ".join(stuck) or "none"))
 
 
