@@ -18,7 +18,7 @@ unless a kill or a retryable failure explains it, no job ending in a state
 its last run contradicts. Two server faults can join the kills: the
 backend's Redis database emptied (FLUSHDB, as a restart without persistence
 leaves it) and PostgreSQL cut off from every child through a TCP proxy the
-run owns (:mod:`reliable_jobs.netfaults`).
+run owns (:mod:`reliable_jobs.contrib.verify.netfaults`).
 
 Which jobs a killed worker held comes from two places: its attempt rows
 (jobs it started) and its last heartbeat, checked against Redis just before
@@ -57,13 +57,13 @@ from django.utils import timezone
 
 from reliable_jobs.compat import Task
 from reliable_jobs.models import Attempt, AttemptOutcome, Job, JobState
-from reliable_jobs.netfaults import CuttableProxy
 from reliable_jobs.supervisor import signal_when_parent_dies
 from reliable_jobs.tasks import discover, lookup
 from reliable_jobs.worker.executor import MARK_AHEAD
 
 from . import chaos_ledger
 from .broker_reads import lease_count, worker_info
+from .netfaults import CuttableProxy
 
 if TYPE_CHECKING:
     from reliable_jobs.backend import ReliableJobsBackend
