@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 from django.conf import settings
@@ -22,7 +21,13 @@ from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
 from reliable_jobs.backend import ReliableJobsBackend
-from reliable_jobs.compat import DEFAULT_TASK_BACKEND_ALIAS, Task, TaskContext, task_backends
+from reliable_jobs.compat import (
+    DEFAULT_TASK_BACKEND_ALIAS,
+    DEFAULT_TASK_QUEUE_NAME,
+    TaskContext,
+    task,
+    task_backends,
+)
 from reliable_jobs.exceptions import PermanentFailure
 
 from .chaos_ledger import ledger_run
@@ -57,28 +62,22 @@ def _is_ours(path: object) -> bool:
     return isinstance(backend, type) and issubclass(backend, ReliableJobsBackend)
 
 
-def verify_task(**options: Any) -> Callable[[Callable[..., Any]], Task[..., Any]]:
-    """``@task`` bound to :func:`backend_alias` and its first queue, with ``options``.
+def first_queue(alias: str) -> str:
+    """The queue the chaos run uses unless told otherwise: the backend's first, by name.
 
-    Django's ``@task`` binds to the default alias and the queue
-    ``"default"``, which a project may not have; chaos moves the task to its
-    own queue with ``using()`` anyway.
+    Not Django's ``"default"``, which the backend's QUEUES may not hold.
     """
+    return min(task_backends[alias].queues, default=DEFAULT_TASK_QUEUE_NAME)
 
-    def bind(func: Callable[..., Any]) -> Task[..., Any]:
-        alias = backend_alias()
-        backend = task_backends[alias]
-        task: Task[..., Any] = backend.task_class(
-            func=func, backend=alias, queue_name=min(backend.queues, default="default"),
-            **options)
-        return task
 
-    return bind
+#: The backend this module's tasks belong to (a worker runs only its own backend's).
+BACKEND = backend_alias()
 
 
 # -- the chaos run -------------------------------------------------------------
 
-@verify_task(takes_context=True, retry_base_ms=100, retry_max_ms=1_000)
+@task(backend=BACKEND, queue_name=first_queue(BACKEND), takes_context=True, retry_base_ms=100,
+      retry_max_ms=1_000)
 def chaos_job(context: TaskContext[[float, int, bool], float], seconds: float,
               fail_attempts: int = 0, give_up: bool = False) -> float:
     """The chaos run's job: sleep, maybe fail as planned, and record the run in the ledger.
