@@ -52,7 +52,7 @@ DELETE_BATCH = 1_000
 
 
 def delete_rows(backend: ReliableJobsBackend, *, task_path: str | None = None,
-              queue: str | None = None) -> None:
+                queue: str | None = None) -> None:
     """Delete the rows a measurement left (of ``task_path``, or on ``queue``) with their attempts.
 
     Through the mirror, which owns every write to jobs, a batch per

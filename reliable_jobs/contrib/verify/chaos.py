@@ -10,8 +10,9 @@ started again (about ``LEASE_MS`` + ``SWEEP_INTERVAL_MS``, plus the wait behind
 the jobs its next worker had already prefetched).
 
 Beyond the queue's own records, the run keeps an execution ledger
-(:mod:`reliable_jobs.contrib.verify.chaos_ledger`): the chaos task writes every run of its
-body (job, attempt, pid, start, end, outcome) into files the queue never
+(:mod:`reliable_jobs.contrib.verify.chaos_ledger`): the chaos task
+(:mod:`reliable_jobs.contrib.verify.tasks`) writes every run of its body
+(job, attempt, pid, start, end, outcome) into files the queue never
 touches, and the run checks it against the pids it killed and the mirror's
 final states: no two runs of one job overlapping in time, no job re-run
 unless a kill or a retryable failure explains it, no job ending in a state
