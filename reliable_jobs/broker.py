@@ -532,15 +532,6 @@ class Broker:
             oldest_ready_id=ready_id, oldest_due_id=due_id,
         )
 
-    def lease_count(self, queue: str) -> int:
-        """Leases ``queue`` holds: 0 only once every claimed job was acked or recovered."""
-        return int(self.client.zcard(self.keys(queue).leases))
-
-    def worker_info(self, worker_id: str) -> dict[str, Any] | None:
-        """A worker's last heartbeat (queues, jobs in hand), or None once it expired."""
-        raw = self.client.get(worker_key(self.prefix, worker_id))
-        return json.loads(raw) if raw else None
-
     def heartbeat(self, worker_id: str, info: dict[str, Any], *, ttl_ms: int) -> None:
         """Record that a worker is alive, with what it holds, for ``ttl_ms``.
 

@@ -40,6 +40,8 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "reliable_jobs",
+    # The chaos run and the benchmark (chaosjobs, benchjobs): opt-in tooling.
+    "reliable_jobs.contrib.verify",
     "testproject.demo",
 ]
 

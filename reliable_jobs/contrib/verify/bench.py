@@ -16,30 +16,18 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from django.db import connections
+from django.db import connections, transaction
 from django.utils import timezone
 
-from . import mirror, payload, scripts
-from .backend import ReliableJobsBackend, mirror_job
-from .compat import Task
-from .models import Job
-from .retention import prune
-from .worker import Worker
+from reliable_jobs import mirror, payload, scripts
+from reliable_jobs.backend import ReliableJobsBackend, mirror_job
+from reliable_jobs.compat import Task
+from reliable_jobs.models import Job
+from reliable_jobs.retention import prune
+from reliable_jobs.worker import Worker
 
-
-def noop() -> None:
-    """The benchmark's task: nothing, so only the queue's cost is left."""
-
-
-#: When each latency probe's task began (perf_counter), by token.
-_first_lines: dict[str, float] = {}
-_arrived = threading.Event()
-
-
-def first_line(token: str) -> None:
-    """The latency probe: note when the task's first line runs."""
-    _first_lines[token] = time.perf_counter()
-    _arrived.set()
+from . import tasks
+from .tasks import first_line, noop
 
 
 @dataclass(frozen=True)
@@ -57,6 +45,29 @@ class Figure:
     def row(self) -> str:
         spread = f"{min(self.rates):,.0f} - {max(self.rates):,.0f}"
         return f"{self.name:<28} {self.median:>10,.0f} {self.unit:<6}   (runs: {spread})"
+
+
+#: Job rows deleted per transaction when a measurement cleans up.
+DELETE_BATCH = 1_000
+
+
+def delete_rows(backend: ReliableJobsBackend, *, task_path: str | None = None,
+                queue: str | None = None) -> None:
+    """Delete the rows a measurement left (of ``task_path``, or on ``queue``) with their attempts.
+
+    Through the mirror, which owns every write to jobs, a batch per
+    transaction: one statement would bind more ids than PostgreSQL (65,535)
+    or SQLite allow after a 100,000-job measurement.
+    """
+    rows = Job.objects.using(backend.database)
+    if task_path is not None:
+        rows = rows.filter(task_path=task_path)
+    if queue is not None:
+        rows = rows.filter(queue=queue)
+    ids = list(rows.values_list("pk", flat=True))
+    for start in range(0, len(ids), DELETE_BATCH):
+        with transaction.atomic(using=backend.database):
+            mirror.delete_jobs(backend.database, ids[start:start + DELETE_BATCH])
 
 
 def bench_task(backend: ReliableJobsBackend, queue: str) -> Task[..., Any]:
@@ -88,7 +99,7 @@ def run_once(backend: ReliableJobsBackend, queue: str, *, jobs: int, singles: in
     cpu_before = time.process_time()
     drain_s = timed(worker.run)
     cpu_s = time.process_time() - cpu_before
-    Job.objects.using(backend.database).filter(task_path=task.module_path).delete()
+    delete_rows(backend, task_path=task.module_path)
     return {
         "bulk enqueue": jobs / bulk_s,
         "single enqueue": singles / single_s if singles else 0.0,
@@ -115,17 +126,17 @@ def measure_latency(backend: ReliableJobsBackend, queue: str, *, samples: int) -
         time.sleep(0.5)  # let it reach its blocking wait
         for sample in range(samples):
             token = f"probe-{sample}"
-            _arrived.clear()
+            tasks.arrived.clear()
             task.enqueue(token)
             returned = time.perf_counter()
-            if not _arrived.wait(timeout=10):
+            if not tasks.arrived.wait(timeout=10):
                 raise RuntimeError("a latency probe did not run within 10 s")
-            latencies.append((_first_lines.pop(token) - returned) * 1000)
+            latencies.append((tasks.first_lines.pop(token) - returned) * 1000)
             time.sleep(0.002)  # the worker goes back to its blocking wait
     finally:
         worker.stop()
         thread.join(timeout=30)
-        Job.objects.using(backend.database).filter(task_path=task.module_path).delete()
+        delete_rows(backend, task_path=task.module_path)
     return latencies
 
 
@@ -149,7 +160,7 @@ def measure_at_length(backend: ReliableJobsBackend, queue: str, *, waiting: int,
                           prefetch=prefetch, grace_s=5)
     rate = window / timed(timed_worker.run)
     Worker(backend, queues=[queue], burst=True, prefetch=prefetch, grace_s=5).run()
-    Job.objects.using(backend.database).filter(task_path=task.module_path).delete()
+    delete_rows(backend, task_path=task.module_path)
     return rate, per_job
 
 
@@ -198,7 +209,7 @@ def measure_floor(backend: ReliableJobsBackend, queue: str, *, samples: int) -> 
                 client.evalsha(script.sha, *script_keys, str(job_id), text, 1, 0, 0, 0)
             elapsed = time.perf_counter() - started
     finally:
-        Job.objects.using(backend.database).filter(queue=FLOOR_QUEUE).delete()
+        delete_rows(backend, queue=FLOOR_QUEUE)
         client.delete(keys.queued, keys.scheduled, keys.wake,
                       *(keys.job_prefix + str(job_id) for job_id in ids))
     return samples / elapsed
@@ -252,7 +263,7 @@ def measure_ack_cost(backend: ReliableJobsBackend, queue: str, *, in_flight: int
             rest = fences[share:]
             for i in range(0, len(rest), 1_000):
                 broker.ack(queue, rest[i:i + 1_000])
-        Job.objects.using(backend.database).filter(task_path=task.module_path).delete()
+        delete_rows(backend, task_path=task.module_path)
     if not acked:
         raise RuntimeError("No ack was accepted: the queue was not idle.")
     return elapsed * 1e6 / acked
@@ -280,7 +291,7 @@ def measure_many_queues(backend: ReliableJobsBackend, queue: str, *, jobs: int, 
             backend.enqueue_many(task, (((), {}) for _ in range(jobs)))
             worker = Worker(backend, queues=names, burst=True, prefetch=prefetch, grace_s=5)
             rates.append(jobs / timed(worker.run))
-            Job.objects.using(backend.database).filter(task_path=task.module_path).delete()
+            delete_rows(backend, task_path=task.module_path)
     finally:
         # The sweep leaves its cursor (and maybe a wake marker) per queue it served.
         broker = backend.broker

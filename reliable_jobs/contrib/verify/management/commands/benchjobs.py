@@ -1,4 +1,4 @@
-"""``manage.py benchjobs``: measure enqueue and drain rates (see reliable_jobs.bench)."""
+"""``manage.py benchjobs``: measure enqueue and drain rates (see verify/bench.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,13 @@ from typing import Any
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from reliable_jobs.bench import (
+from reliable_jobs.management.commands.runworker import (
+    add_queue_and_backend_arguments,
+    get_backend,
+    quiet_logging,
+)
+
+from ...bench import (
     Figure,
     Round,
     measure_ack_cost,
@@ -19,11 +25,6 @@ from reliable_jobs.bench import (
     rss_bytes,
     run_once,
     sustained,
-)
-from reliable_jobs.management.commands.runworker import (
-    add_queue_and_backend_arguments,
-    get_backend,
-    quiet_logging,
 )
 
 
