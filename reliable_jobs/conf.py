@@ -8,15 +8,13 @@ backend raises ``ImproperlyConfigured`` only when used with bad options.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field, fields
 from difflib import get_close_matches
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
-from django.views import debug
-
 from .keys import MAX_SHARDS, PREFIX_RE, is_valid_queue_name
+from .redaction import SafeExceptionReporterFilter, mask_password
 
 #: Redis URL schemes accepted by ``redis.Redis.from_url``.
 REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
@@ -67,6 +65,14 @@ class BackendOptions:
     #: Shards per queue, e.g. {"emails": 4}: each shard is a queue of its own
     #: (its own hash tag, so its own cluster slot); unlisted queues have one.
     SHARDS: dict[str, int] = field(default_factory=dict)
+    #: A queue whose oldest ready (or due scheduled) job has waited longer
+    #: than this, in milliseconds, is shown in the warning colour on the
+    #: dashboard and flagged by jobstats; None turns the warning off.
+    LATENCY_WARNING_MS: int | None = 60_000
+    #: Periodic jobs declared in settings: {name: {"task": path, "cron": "0 3 * * *",
+    #: "tz": ..., or "every_ms": ..., "args": [...], "kwargs": {...},
+    #: "catch_up": "all" | "last" | "none", "queue": ...}} (see periodic/declared.py).
+    SCHEDULE: dict[str, Any] = field(default_factory=dict)
     #: What parse() found wrong, as (check id, message) pairs.
     problems: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
@@ -92,8 +98,9 @@ _MINIMUMS = {
     "RECONCILE_GRACE_MS": 0,
     "MAX_PAYLOAD_BYTES": 64,
     "FAIR_SHARE": 0,
+    "LATENCY_WARNING_MS": 1,
 }
-_OPTIONAL = {"TIMEOUT_MS", "RENEW_INTERVAL_MS", "PREFETCH"}
+_OPTIONAL = {"TIMEOUT_MS", "RENEW_INTERVAL_MS", "PREFETCH", "LATENCY_WARNING_MS"}
 
 
 def parse(raw: Any) -> BackendOptions:
@@ -154,6 +161,13 @@ def parse(raw: Any) -> BackendOptions:
              f"shards from 1 to {MAX_SHARDS}, not {shards!r}.")
         )
         values.pop("SHARDS", None)
+    if "SCHEDULE" in values:
+        from .periodic.declared import from_options
+
+        _, schedule_problems = from_options(values["SCHEDULE"], backend="")
+        problems += [("reliable_jobs.E011", message) for message in schedule_problems]
+        if not isinstance(values["SCHEDULE"], dict):
+            values.pop("SCHEDULE")
     if not isinstance(values.get("DATABASE", "default"), str):
         problems.append(("reliable_jobs.E003", "OPTIONS['DATABASE'] must be a database alias."))
         values.pop("DATABASE")
@@ -214,44 +228,6 @@ def redis_url_problem(url: object) -> str:
     return ""
 
 
-def mask_password(url: str) -> str:
-    """Return ``url`` with every password replaced by ``***`` (for logs and messages).
-
-    Masks the password of the user info (``redis://user:***@host``) and the
-    value of any query parameter whose name holds "password" (redis-py reads
-    ``?password=`` and ``?ssl_password=`` from the URL too). Works on URLs
-    ``urlsplit`` refuses (a bad port, an unclosed IPv6 bracket), since those
-    are exactly the ones an error message shows. Up to the last ``@`` before
-    the query is user info, so an unescaped ``/`` or ``@`` in a password is
-    masked too.
-    """
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    userinfo, at, host_and_rest = rest.rpartition("@")
-    if at and ":" in userinfo:
-        rest = f"{userinfo.split(':', 1)[0]}:***@{host_and_rest}"
-    rest, question, query = rest.partition("?")
-    if question:
-        query = _PASSWORD_PARAM.sub(r"\1***", query)
-    return f"{scheme}://{rest}{question}{query}"
-
-
-#: A query parameter holding a password, up to its value's end.
-_PASSWORD_PARAM = re.compile(r"((?:^|[&;])[^=&;]*password[^=&;]*=)[^&;#]*", re.IGNORECASE)
-
-
-class SafeExceptionReporterFilter(debug.SafeExceptionReporterFilter):
-    """Django's error-report filter, plus: passwords inside URLs are masked.
-
-    Django hides settings whose *name* looks secret (``PASSWORD``, ``KEY``,
-    ...), but ``TASKS['default']['OPTIONS']['REDIS_URL']`` carries its
-    password inside the *value*, so the debug page and the error e-mails to
-    ``ADMINS`` would show it. Set ``DEFAULT_EXCEPTION_REPORTER_FILTER =
-    "reliable_jobs.conf.SafeExceptionReporterFilter"`` to mask it (and any
-    other URL's password).
-    """
-
-    def cleanse_setting(self, key: Any, value: Any) -> Any:
-        cleansed = super().cleanse_setting(key, value)
-        return mask_password(cleansed) if isinstance(cleansed, str) else cleansed
+#: Settings written before the filter had a module of its own name
+#: ``reliable_jobs.conf.SafeExceptionReporterFilter``; that path keeps working.
+__all__ = ["SafeExceptionReporterFilter"]

@@ -62,8 +62,7 @@ def unreachable_reason(task: Task[..., Any]) -> str | None:
         reachable = _top_package(module) != _top_package(
             getattr(settings, "SETTINGS_MODULE", None) or "")
     else:
-        # reliable_jobs' own tasks (benchjobs' no-op) run in workers it starts in-process.
-        reachable = app.name == "reliable_jobs" or _imported_by_workers(module, app)
+        reachable = _imported_by_workers(module, app)
     if reachable:
         # Keyed by module: a module that holds one reachable task holds them all.
         _reachable.add(module)

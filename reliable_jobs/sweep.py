@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
+import time
 from collections import defaultdict
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from django.db import DatabaseError, InterfaceError, transaction
+from django.db import DatabaseError, InterfaceError, connections, transaction
 from django.utils import timezone
 
 from . import mirror, payload
-from .broker import Fence, NewJob, RecoverResult, Settlement, epoch_ms
+from .broker import REDIS_ERRORS, Fence, NewJob, RecoverResult, Settlement, epoch_ms
 from .exceptions import LeaseExpired, class_path
 from .faults import crash_point
 from .mirror import AttemptRecord
@@ -47,6 +50,7 @@ class SweepReport:
     garbage: int = 0
     promoted: int = 0
     settled: int = 0
+    cancelled: int = 0
     checked: int = 0
     pushed: int = 0
     buried: int = 0
@@ -146,12 +150,18 @@ class Sweep:
                     if (row is not None and row.state in mirror.TERMINAL_STATES
                             and (row.attempts, row.generation) == (attempt, gen)):
                         settle.append(Settlement(job_id, attempt, gen, row.state, row.last_error))
+                    elif (row is not None and row.state == JobState.CANCELLED
+                          and row.generation == gen):
+                        # Cancelled while it ran (the row may lag behind on
+                        # attempts): never run again, whatever Redis holds.
+                        settle.append(Settlement(job_id, attempt, gen, JobState.CANCELLED))
                     else:
                         allowed.append((job_id, attempt, gen))
                 recovered = broker.recover(queue, lease_ms=lease_ms, settle=settle,
                                            allowed=allowed)
                 crash_point("sweep_after_recover")
-                mirror.record(database, self._records(recovered, report))
+                cancelled = {s.id for s in settle if s.final == JobState.CANCELLED}
+                mirror.record(database, self._records(recovered, report, cancelled))
         except (DatabaseError, InterfaceError) as exc:
             logger.warning("Recovering only jobs that never started on queue %r: the database "
                            "is unavailable (%s).", queue, exc)
@@ -159,11 +169,23 @@ class Sweep:
         return recovered
 
     @staticmethod
-    def _records(recovered: RecoverResult, report: SweepReport) -> list[AttemptRecord]:
-        """The mirror records of the started attempts recover settled, requeued or buried."""
+    def _records(recovered: RecoverResult, report: SweepReport,
+                 cancelled: Collection[str] = ()) -> list[AttemptRecord]:
+        """The mirror records of the started attempts recover settled, requeued or buried.
+
+        An attempt whose job was cancelled while it ran, and whose worker
+        then stopped (``cancelled``: settled from a cancelled row; or kind
+        'cancelled': Redis held the mark), is closed as cancelled.
+        """
         records: list[AttemptRecord] = []
         for job in recovered.outcomes:
-            if job.kind == "settled":
+            if job.kind == "cancelled" or (job.kind == "settled" and job.id in cancelled):
+                report.cancelled += 1
+                records.append(mirror.cancelled_record(
+                    job.id, job.attempts, gen=job.gen,
+                    error=f"{mirror.CANCELLED_ERROR} while it ran; its worker then stopped "
+                          "renewing the lease, and it was not run again"))
+            elif job.kind == "settled":
                 report.settled += 1
             elif job.kind == "expired":
                 report.requeued += 1
@@ -264,3 +286,27 @@ class Sweep:
         crash_point("sweep_after_promote")
         report.add(self.reconcile())
         return report
+
+    def run_every(self, interval_s: float, stop: threading.Event, *,
+                  on_pass: Callable[[SweepReport, float], None],
+                  on_failure: Callable[[Exception], None]) -> None:
+        """Run a pass every ``interval_s`` seconds until ``stop`` is set.
+
+        A pass that cannot reach Redis or the database is retried at the next
+        one (every step is safe to repeat), after ``on_failure`` has been told
+        and the database connection dropped, so the next pass reconnects.
+        ``on_pass`` gets each report and the pass's duration in milliseconds.
+        Setting ``stop`` ends the loop after the pass under way: every step is
+        atomic, so stopping between passes leaves nothing half done.
+        """
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                report = self.run_once()
+            except (*REDIS_ERRORS, DatabaseError) as exc:  # type: ignore[misc]  # mypy cannot unpack a tuple[type, ...]
+                on_failure(exc)
+                connections[self.backend.config.DATABASE].close()
+                stop.wait(interval_s)
+                continue
+            on_pass(report, (time.monotonic() - started) * 1000)
+            stop.wait(max(0.0, interval_s - (time.monotonic() - started)))

@@ -1,8 +1,8 @@
 """Real faults for the tests: a private Redis server to restart.
 
 A real process on loopback; nothing is simulated. The TCP proxy that cuts
-PostgreSQL off lives in :mod:`reliable_jobs.netfaults`, since the chaos run
-uses it too.
+PostgreSQL off lives in :mod:`reliable_jobs.contrib.verify.netfaults`, since
+the chaos run uses it too.
 """
 
 from __future__ import annotations

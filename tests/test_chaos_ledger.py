@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from reliable_jobs.chaos_ledger import (
+from reliable_jobs.contrib.verify.chaos_ledger import (
     LEDGER_ENV,
     analyse,
     evidence,

@@ -186,7 +186,8 @@ class Drain:
 
     def busy(self) -> bool:
         c = self.broker.counts(Q)
-        return bool(c.queued or c.running or c.scheduled or self.broker.lease_count(Q))
+        return bool(c.queued or c.running or c.scheduled
+                    or self.broker.client.zcard(self.broker.keys(Q).leases))
 
     def run(self) -> None:
         for round_number in range(MAX_ROUNDS):

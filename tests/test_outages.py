@@ -17,8 +17,8 @@ import pytest
 from django.utils import timezone
 
 from reliable_jobs.compat import task_backends
+from reliable_jobs.contrib.verify.netfaults import CuttableProxy
 from reliable_jobs.models import Attempt, AttemptOutcome, Job, JobState
-from reliable_jobs.netfaults import CuttableProxy
 from testproject.demo import tasks as demo
 
 from .conftest import Processes, wait_until

@@ -1,7 +1,8 @@
 """The package stands on its own: ``python -m build`` makes a wheel and an sdist
 that pass ``twine check``, carry what they must, and the wheel alone (in a
 clean virtualenv, no repository on the path) passes ``django-admin check``
-and ``migrate``.
+and ``migrate``, with the tooling commands only once the opt-in
+``reliable_jobs.contrib.verify`` app is listed.
 
 The build runs once per session, from a copy of the checkout's files (those
 git tracks or would track), so the checkout itself is never written to.
@@ -31,12 +32,21 @@ pytestmark = pytest.mark.slow
 
 PACKAGE = REPO / "reliable_jobs"
 #: Package data the wheel must carry (setup.cfg's package_data).
-DATA_GLOBS = ("scripts/*.lua", "templates/**/*.html", "static/**/*.css", "static/**/*.js",
-              "migrations/*.py", "py.typed")
+DATA_GLOBS = ("scripts/*.lua", "scripts/include/*.lua", "templates/**/*.html", "static/**/*.css",
+              "static/**/*.js", "migrations/*.py", "py.typed")
 #: What the sdist must carry beyond the package, so its tests run.
 SDIST_FILES = ("tests/conftest.py", "tests/tasks.py", "tests/test_backend.py",
                "testproject/settings.py", "manage.py", "setup.cfg", "pyproject.toml",
                "MANIFEST.in", "CHANGELOG.md", "LICENSE", "README.md", "docs/design.md")
+#: The opt-in app's commands, and files the wheel must carry for it to run.
+VERIFY_COMMANDS = ("chaosjobs", "benchjobs")
+VERIFY_FILES = (
+    "reliable_jobs/contrib/__init__.py", "reliable_jobs/contrib/verify/__init__.py",
+    "reliable_jobs/contrib/verify/apps.py", "reliable_jobs/contrib/verify/tasks.py",
+    "reliable_jobs/contrib/verify/chaos.py", "reliable_jobs/contrib/verify/bench.py",
+    *(f"reliable_jobs/contrib/verify/management/commands/{command}.py"
+      for command in VERIFY_COMMANDS),
+)
 SUPPORTED_DJANGOS = ("5.2", "6.0", "6.1")
 SUPPORTED_PYTHONS = ("3.12", "3.13")
 
@@ -97,6 +107,10 @@ def test_wheel_carries_the_package_data_and_nothing_else(dist: Dist) -> None:
     assert any(name.endswith(".lua") for name in expected)
     assert expected - names == set()
     assert {"reliable_jobs/compat.py", "reliable_jobs/worker/core.py"} <= names
+    # and the opt-in verify app, whose commands the core app does not carry
+    assert set(VERIFY_FILES) <= names
+    assert {f"reliable_jobs/management/commands/{command}.py"
+            for command in VERIFY_COMMANDS} & names == set()
     top_level = {name.split("/")[0] for name in names}
     assert {"tests", "testproject", "bench", "docs"} & top_level == set()
 
@@ -166,3 +180,29 @@ def test_wheel_alone_passes_check_and_migrate(dist: Dist, tmp_path: Path) -> Non
     output = run(venv / "bin" / "django-admin", "check", cwd=project, env=env)
     assert "System check identified no issues" in output, output
     run(venv / "bin" / "django-admin", "migrate", "--no-input", cwd=project, env=env)
+    # and the core app alone registers none of the verify app's commands
+    commands = run(venv / "bin" / "django-admin", "help", "--commands", cwd=project,
+                   env=env).split()
+    assert "runworker" in commands
+    assert set(VERIFY_COMMANDS) & set(commands) == set()
+
+    # When the project adds the verify app
+    (project / "rj_verify_settings.py").write_text(
+        "from rj_check_settings import *\n"
+        "INSTALLED_APPS = [*INSTALLED_APPS, 'reliable_jobs.contrib.verify']\n"
+    )
+    env["DJANGO_SETTINGS_MODULE"] = "rj_verify_settings"
+
+    # Then it passes check, has both commands, and the chaos run's default task
+    # is one a worker of the default backend registers and runs
+    output = run(venv / "bin" / "django-admin", "check", cwd=project, env=env)
+    assert "System check identified no issues" in output, output
+    commands = run(venv / "bin" / "django-admin", "help", "--commands", cwd=project,
+                   env=env).split()
+    assert set(VERIFY_COMMANDS) <= set(commands)
+    found = run(python, "-c", "import django; django.setup()\n"
+                "from reliable_jobs.contrib.verify.chaos import DEFAULT_TASK\n"
+                "from reliable_jobs.tasks import discover, lookup\n"
+                "discover(); task = lookup(DEFAULT_TASK); print(task and task.backend)",
+                cwd=project, env=env)
+    assert found.strip() == "default", found

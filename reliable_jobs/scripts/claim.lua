@@ -62,9 +62,11 @@
   attempts and gen are written back, so the token the fenced scripts compare
   always reads the same as the one returned.
 
-  Returns: { jobs, dead, garbage, remaining }
-    jobs      flat list: id, attempt, max_attempts, payload, gen (per job);
-              attempt and gen together are the fencing token
+  Returns: { jobs, dead, garbage, remaining, banded }
+    jobs      flat list: id, attempt, max_attempts, payload, gen, waited_ms
+              (per job); attempt and gen together are the fencing token;
+              waited_ms is how long the job was ready before this claim
+              (see latency.lua), -1 when its hash holds no time
     dead      flat list: id, attempts, gen (jobs that had no attempt left)
     garbage   list of ids moved aside: no job hash, or a damaged one
     remaining jobs left on queued and every band after the claim
@@ -254,12 +256,12 @@ local jobs, dead, garbage, lease_args = {}, {}, {}, {}
 for index, job_id in ipairs(ids) do
   local job_key = job_prefix .. job_id
   local job = redis.call('HMGET', job_key, 'state', 'attempts', 'max_attempts', 'payload', 'gen',
-    'priority')
+    'ready_ms', 'enqueued_ms', 'priority')
   local gen = count_of(job[5], 0)
   if job[1] == false and consume_stray(job_id) then
     -- A copy left behind by a reprioritize whose job has finished since.
     redis.call('LREM', processing_key, 1, job_id)
-  elseif job[1] == 'queued' and band_of(job[6]) ~= (came_from[index] or 0) then
+  elseif job[1] == 'queued' and band_of(job[8]) ~= (came_from[index] or 0) then
     -- A copy left behind by a reprioritize: the job waits on another band.
     redis.call('LREM', processing_key, 1, job_id)
     consume_stray(job_id)
@@ -304,6 +306,8 @@ for index, job_id in ipairs(ids) do
       jobs[#jobs + 1] = max_attempts
       jobs[#jobs + 1] = job[4] or ''
       jobs[#jobs + 1] = gen
+      local ready_ms = tonumber(job[6]) or tonumber(job[7])
+      jobs[#jobs + 1] = ready_ms and math.max(0, now_ms - ready_ms) or -1
     end
   end
 end

@@ -13,7 +13,7 @@
 
   The attempts counter keeps counting (so fencing tokens never repeat and
   the history keeps every attempt); max_attempts becomes attempts + extra.
-  The job keeps its priority (queued on its band's list, queued for 0).
+  The job's 'ready_ms' becomes now (see latency.lua).
 
   Returns: 1 if revived, 0 if the job was not dead in Redis.
   Errors: extra_attempts not a whole number from 0 to 2^31 - 1 (nothing is
@@ -47,6 +47,8 @@ local function push_band(job_id, priority)
   end
 end
 
+--- @include "server_clock"
+
 local MAX_COUNT = 2147483647
 local extra = tonumber(ARGV[2])
 if extra == nil or extra ~= math.floor(extra) or extra < 0 or extra > MAX_COUNT then
@@ -65,7 +67,8 @@ if attempts == nil or attempts ~= attempts then
 end
 attempts = math.max(0, math.min(MAX_COUNT, math.floor(attempts)))
 redis.call('ZREM', dead_key, job_id)
-redis.call('HSET', job_key, 'state', 'queued', 'max_attempts', math.min(attempts + extra, MAX_COUNT))
+redis.call('HSET', job_key, 'state', 'queued', 'max_attempts', math.min(attempts + extra, MAX_COUNT),
+  'ready_ms', now_ms())
 redis.call('HDEL', job_key, 'finished_ms')
 push_band(job_id, band_of(redis.call('HGET', job_key, 'priority')))
 if redis.call('LLEN', wake_key) == 0 then

@@ -10,7 +10,6 @@ import asyncio
 import time
 from typing import Any
 
-from reliable_jobs.chaos_ledger import ledger_run
 from reliable_jobs.compat import TaskContext, task
 from reliable_jobs.exceptions import PermanentFailure, RetryLater
 
@@ -30,27 +29,6 @@ def add(a: int, b: int) -> int:
 def sleep_for(seconds: float) -> float:
     """Sleep, then return ``seconds``: a job that is still RUNNING when a worker is killed."""
     time.sleep(seconds)
-    return seconds
-
-
-@task(takes_context=True, retry_base_ms=100, retry_max_ms=1_000)
-def chaos_job(context: TaskContext[[float, int, bool], float], seconds: float,
-              fail_attempts: int = 0, give_up: bool = False) -> float:
-    """The chaos run's job: sleep, maybe fail as planned, and record the run in the ledger.
-
-    It sleeps so that it is running when its worker is SIGKILLed. It fails
-    (retryably) while ``context.attempt <= fail_attempts``, or for good with
-    ``give_up``, so the run also checks that retried and dead jobs end as
-    their last run says. Every run is written to the execution ledger
-    (``reliable_jobs.chaos_ledger``) when ``chaosjobs`` set one up. Short
-    retry delays keep the drain short.
-    """
-    with ledger_run(context.task_result.id, context.attempt):
-        time.sleep(seconds)
-        if give_up:
-            raise PermanentFailure(f"planned: gives up on attempt {context.attempt}")
-        if context.attempt <= fail_attempts:
-            raise RuntimeError(f"planned failure on attempt {context.attempt} of {fail_attempts}")
     return seconds
 
 
@@ -140,3 +118,19 @@ def report_pid_then_sleep(pid_file: str, seconds: float) -> float:
     os.replace(partial, pid_file)  # the test never reads a half-written pid
     time.sleep(seconds)
     return seconds
+
+
+@task(takes_context=True, max_attempts=3)
+def stop_when_cancelled(context: TaskContext[[float], str], seconds: float) -> str:
+    """Work in small steps for ``seconds``, stopping at the first step after a cancel.
+
+    Each step is a checkpoint: ``raise_if_cancelled`` raises JobCancelled
+    once staff or code cancelled the job (reliable_jobs.cancellation).
+    """
+    from reliable_jobs.cancellation import raise_if_cancelled
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        raise_if_cancelled(context)
+        time.sleep(0.02)
+    return "finished"

@@ -10,15 +10,16 @@ started again (about ``LEASE_MS`` + ``SWEEP_INTERVAL_MS``, plus the wait behind
 the jobs its next worker had already prefetched).
 
 Beyond the queue's own records, the run keeps an execution ledger
-(:mod:`reliable_jobs.chaos_ledger`): the chaos task writes every run of its
-body (job, attempt, pid, start, end, outcome) into files the queue never
+(:mod:`reliable_jobs.contrib.verify.chaos_ledger`): the chaos task
+(:mod:`reliable_jobs.contrib.verify.tasks`) writes every run of its body
+(job, attempt, pid, start, end, outcome) into files the queue never
 touches, and the run checks it against the pids it killed and the mirror's
 final states: no two runs of one job overlapping in time, no job re-run
 unless a kill or a retryable failure explains it, no job ending in a state
 its last run contradicts. Two server faults can join the kills: the
 backend's Redis database emptied (FLUSHDB, as a restart without persistence
 leaves it) and PostgreSQL cut off from every child through a TCP proxy the
-run owns (:mod:`reliable_jobs.netfaults`).
+run owns (:mod:`reliable_jobs.contrib.verify.netfaults`).
 
 Which jobs a killed worker held comes from two places: its attempt rows
 (jobs it started) and its last heartbeat, checked against Redis just before
@@ -55,20 +56,22 @@ from django.conf import settings
 from django.db import connections
 from django.utils import timezone
 
+from reliable_jobs.compat import Task
+from reliable_jobs.models import Attempt, AttemptOutcome, Job, JobState
+from reliable_jobs.supervisor import signal_when_parent_dies
+from reliable_jobs.tasks import discover, lookup
+from reliable_jobs.worker.executor import MARK_AHEAD
+
 from . import chaos_ledger
-from .compat import Task
-from .models import Attempt, AttemptOutcome, Job, JobState
+from .broker_reads import lease_count, worker_info
 from .netfaults import CuttableProxy
-from .supervisor import signal_when_parent_dies
-from .tasks import discover, lookup
-from .worker.executor import MARK_AHEAD
 
 if TYPE_CHECKING:
-    from .backend import ReliableJobsBackend
+    from reliable_jobs.backend import ReliableJobsBackend
 
-#: The task a chaos run enqueues unless told otherwise: it sleeps, so jobs
-#: are running (not just queued) when their worker is killed.
-DEFAULT_TASK = "testproject.demo.tasks.chaos_job"
+#: The task a chaos run enqueues unless told otherwise (this app's): it
+#: sleeps, so jobs are running (not just queued) when their worker is killed.
+DEFAULT_TASK = "reliable_jobs.contrib.verify.tasks.chaos_job"
 #: Seconds the sweep process waits between passes.
 SWEEP_INTERVAL_S = 0.5
 #: Seconds a worker gets to finish its jobs once the run stops it (``--grace``).
@@ -443,7 +446,7 @@ class ChaosRun:
             raise ChaosError(" ".join(problems))
         broker = self.backend.broker
         counts = broker.counts(self.queue)
-        leases = broker.lease_count(self.queue)
+        leases = lease_count(broker, self.queue)
         unfinished = Job.objects.using(self.backend.database).unfinished().filter(
             backend=self.backend.alias, queue=self.queue).count()
         if counts.queued or counts.running or counts.scheduled or leases or unfinished:
@@ -559,7 +562,7 @@ class ChaosRun:
                 if slot.proc.poll() is not None:
                     raise ChaosError(f"Worker {worker_id} exited with {slot.proc.returncode} "
                                      f"while starting:\n{fleet.log_tail(slot.name)}")
-                if self.backend.broker.worker_info(worker_id) is not None:
+                if worker_info(self.backend.broker, worker_id) is not None:
                     del waiting[worker_id]
             if waiting and time.monotonic() > deadline:
                 raise ChaosError(f"Workers {', '.join(waiting)} did not start within "
@@ -650,7 +653,7 @@ class ChaosRun:
             return
         slot = self.rng.choice(alive)
         broker = self.backend.broker
-        info = broker.worker_info(slot.worker_id) or {}
+        info = worker_info(broker, slot.worker_id) or {}
         prefix = f"{self.queue}:"
         listed = [entry[len(prefix):] for entry in info.get("jobs", [])
                   if entry.startswith(prefix)]
@@ -708,7 +711,7 @@ class ChaosRun:
             return False
         counts = self.backend.broker.counts(self.queue)
         return not (counts.queued or counts.running or counts.scheduled
-                    or self.backend.broker.lease_count(self.queue))
+                    or lease_count(self.backend.broker, self.queue))
 
     def _forget_killed(self) -> None:
         """Drop the heartbeats of killed workers, so the admin does not list them as live."""
@@ -797,7 +800,7 @@ class ChaosRun:
         ][:10]
         return (f"job states {dict(states)}; Redis: {counts.queued} queued, {counts.running} "
                 f"processing, {counts.scheduled} scheduled, "
-                f"{self.backend.broker.lease_count(self.queue)} leases; first unfinished: "
+                f"{lease_count(self.backend.broker, self.queue)} leases; first unfinished: "
                 + ("; ".join(stuck) or "none"))
 
 

@@ -1,4 +1,4 @@
-"""``manage.py chaosjobs``: SIGKILL workers under load, count every job (reliable_jobs.chaos)."""
+"""``manage.py chaosjobs``: SIGKILL workers under load, count every job (see verify/chaos.py)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,13 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from reliable_jobs.chaos import DEFAULT_TASK, ChaosConfig, ChaosError, ChaosRun, Interrupted
 from reliable_jobs.management.commands.runworker import (
     add_queue_and_backend_arguments,
     get_backend,
     quiet_logging,
 )
+
+from ...chaos import DEFAULT_TASK, ChaosConfig, ChaosError, ChaosRun, Interrupted
 
 
 class Command(BaseCommand):
@@ -27,10 +28,11 @@ class Command(BaseCommand):
         "contradicts (each must be 0). Exits 1 if any of these is not 0, a job was lost or "
         "the drain timed out. The children use this process's environment and "
         "settings. The lease decides recovery: a killed worker's jobs come back after "
-        "OPTIONS['LEASE_MS'] (default 30 s), so use short leases for the run; with "
-        "testproject set them through RJ_OPTIONS, e.g. RJ_OPTIONS='{\"LEASE_MS\": 2000, "
-        "\"SWEEP_INTERVAL_MS\": 250, \"RECONCILE_GRACE_MS\": 5000}'. Needs an idle queue; "
-        "never run it against production."
+        "OPTIONS['LEASE_MS'] (default 30 s), so use short leases for the run, e.g. "
+        "OPTIONS {\"LEASE_MS\": 2000, \"SWEEP_INTERVAL_MS\": 250, \"RECONCILE_GRACE_MS\": "
+        "5000} (reliable_jobs' own test project reads them from RJ_OPTIONS). The default "
+        "--task is this app's and belongs to the default reliable_jobs backend. Needs an "
+        "idle queue; never run it against production."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:

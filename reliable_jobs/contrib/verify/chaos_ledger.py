@@ -35,7 +35,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from .exceptions import PermanentFailure
+from reliable_jobs.exceptions import PermanentFailure
 
 #: Environment variable naming the ledger directory; unset, nothing is written.
 LEDGER_ENV = "RJ_CHAOS_LEDGER"
