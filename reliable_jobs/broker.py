@@ -573,12 +573,12 @@ class Broker:
         """The age of ``queue``'s oldest ready job and oldest due scheduled job.
 
         One read-only script call: O(``look``) at the queued list's oldest
-        end and O(log n) on the scheduled set, whatever their length. (Only
-        priority 0's list: jobs waiting at other priorities are not looked at.)
+        end and O(log n) on the scheduled set, whatever their length (and
+        O(``look``) more per priority other than 0 in use).
         """
         k = self.keys(queue)
         now_ms, queued, ready_id, ready_ms, due_id, due_ms = self._run(
-            "latency", (k.queued, k.scheduled, k.job_prefix), (look,))
+            "latency", (k.queued, k.scheduled, k.job_prefix, k.bands, k.band_prefix), (look,))
         ready_ms, due_ms, now_ms = int(ready_ms), int(due_ms), int(now_ms)
         return Latency(
             queue, int(queued),

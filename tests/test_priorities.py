@@ -469,3 +469,22 @@ def test_the_backend_hands_its_fair_share_to_the_broker() -> None:
         assert backend.broker.fair_share == 0
     finally:
         backend.broker.close()
+
+
+# -- latency ------------------------------------------------------------------------
+
+
+def test_latency_sees_the_oldest_ready_job_at_any_priority(broker: Broker) -> None:
+    # Given a job waiting at priority -7, then newer ones at 0 and 4
+    enqueue(broker, ("old-low", -7))
+    k = broker.keys(Q)
+    broker.client.hset(k.job("old-low"), "enqueued_ms", broker.server_time_ms() - 60_000)
+    enqueue(broker, ("plain", 0), ("high", 4))
+
+    # When the queue's latency is read
+    latency = broker.latency(Q)
+
+    # Then the oldest ready job is the low one (a minute old), and every list counts
+    assert latency.oldest_ready_id == "old-low"
+    assert latency.oldest_ready_ms is not None and latency.oldest_ready_ms >= 60_000
+    assert latency.queued == 3
