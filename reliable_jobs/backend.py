@@ -118,7 +118,11 @@ class ReliableJobsBackend(BaseTaskBackend):
     def enqueue(  # type: ignore[override]  # results are typed per task in the stubs only
             self, task: Task[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
     ) -> TaskResult[..., Any]:
-        """Write the job row now and push it to Redis when the transaction commits."""
+        """Write the job row now and push it to Redis when the transaction commits.
+
+        For a task with ``unique_for_ms``, an equal call's unfinished job
+        (see ``unique.py``) is returned instead of a new one.
+        """
         self._raise_if_misconfigured()  # first: E009 before any model import
         self.validate_task(task)
         ensure_reachable(task)
@@ -130,8 +134,10 @@ class ReliableJobsBackend(BaseTaskBackend):
         job = mirror_job(self.alias, task, args, kwargs,
                          max_attempts=self.task_option(task, "max_attempts"), now=now,
                          shard=self._pick_shard(task.queue_name))
-        mirror.insert_job(self.database, job)
         new_job = NewJob(str(job.id), text, job.max_attempts, due_ms=epoch_ms(task.run_after))
+        if getattr(task, "unique_for_ms", None) is not None:
+            return self._enqueue_unique(task, [(job, new_job)], now=now)[0]
+        mirror.insert_job(self.database, job)
         physical = job.physical_queue
         transaction.on_commit(lambda: self._push(physical, [new_job]), using=self.database)
         result = self._result(job, task)
@@ -152,14 +158,21 @@ class ReliableJobsBackend(BaseTaskBackend):
         due_ms = epoch_ms(task.run_after)
         jobs: list[Any] = []
         by_shard: dict[str, list[NewJob]] = defaultdict(list)
+        unique = getattr(task, "unique_for_ms", None) is not None
+        made: list[tuple[Any, NewJob]] = []
         for args, kwargs in calls:
             text = payload.encode(task.module_path, tuple(args), dict(kwargs),
                                   max_bytes=self.config.MAX_PAYLOAD_BYTES)
             job = mirror_job(self.alias, task, args, kwargs, max_attempts=max_attempts, now=now,
                              shard=self._pick_shard(task.queue_name))
+            new_job = NewJob(str(job.id), text, max_attempts, due_ms=due_ms)
+            if unique:
+                made.append((job, new_job))
+                continue
             jobs.append(job)
-            by_shard[job.physical_queue].append(
-                NewJob(str(job.id), text, max_attempts, due_ms=due_ms))
+            by_shard[job.physical_queue].append(new_job)
+        if unique:
+            return self._enqueue_unique(task, made, now=now)
         with transaction.atomic(using=self.database):
             mirror.insert_jobs(self.database, jobs)
 
@@ -173,6 +186,44 @@ class ReliableJobsBackend(BaseTaskBackend):
         for result in results:
             task_enqueued.send(type(self), task_result=result)
         return results
+
+    def _enqueue_unique(self, task: Task[..., Any], made: list[tuple[Any, NewJob]], *,
+                        now: datetime) -> list[TaskResult[..., Any]]:
+        """Enqueue calls of a unique task: each gets its new job, or the unfinished equal one.
+
+        The rows and the check are in the caller's transaction (one of our
+        own when there is none), so a rolled-back enqueue frees the key;
+        only jobs that were inserted are pushed, on commit, and signalled.
+        """
+        from . import mirror, unique  # see enqueue()
+
+        assert isinstance(task, ReliableTask)  # unique_for_ms is one of its options
+        for job, _ in made:
+            job.unique_key = unique.key_for(task, self.alias, job.args, job.kwargs)
+        # No savepoint of our own: an error here is the caller's to roll back.
+        with transaction.atomic(using=self.database, savepoint=False):
+            holders = mirror.insert_unique_jobs(
+                self.database, [job for job, _ in made], window_ms=task.unique_for_ms or 0,
+                while_running=task.unique_while_running, now=now)
+            by_shard: dict[str, list[NewJob]] = defaultdict(list)
+            for (job, new_job), holder in zip(made, holders, strict=True):
+                if holder is job:
+                    by_shard[job.physical_queue].append(new_job)
+
+            def push() -> None:
+                for physical, new_jobs in by_shard.items():
+                    for start in range(0, len(new_jobs), 1000):
+                        self._push(physical, new_jobs[start:start + 1000])
+
+            if by_shard:
+                transaction.on_commit(push, using=self.database)
+        results: dict[Any, TaskResult[..., Any]] = {}
+        for (job, _), holder in zip(made, holders, strict=True):
+            if holder.pk not in results:
+                results[holder.pk] = self._result(holder, task)
+                if holder is job:
+                    task_enqueued.send(type(self), task_result=results[holder.pk])
+        return [results[holder.pk] for holder in holders]
 
     def _pick_shard(self, queue: str) -> int:
         """A random shard of ``queue``: producers spread jobs, workers drain all shards."""
