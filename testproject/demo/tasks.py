@@ -140,3 +140,9 @@ def report_pid_then_sleep(pid_file: str, seconds: float) -> float:
     os.replace(partial, pid_file)  # the test never reads a half-written pid
     time.sleep(seconds)
     return seconds
+
+
+@task(unique_for_ms=60_000)
+def unique_add(a: int, b: int) -> int:
+    """Return ``a + b``; an equal call while one waits gets that job (a unique task)."""
+    return a + b
