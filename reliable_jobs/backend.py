@@ -34,6 +34,7 @@ from . import conf, payload
 from .broker import REDIS_ERRORS, Broker, NewJob, epoch_ms
 from .compat import (
     BaseTaskBackend,
+    InvalidTask,
     Task,
     TaskError,
     TaskResult,
@@ -198,6 +199,9 @@ class ReliableJobsBackend(BaseTaskBackend):
         from . import mirror, unique  # see enqueue()
 
         assert isinstance(task, ReliableTask)  # unique_for_ms is one of its options
+        problem = unique.database_problem(self.database)
+        if problem:
+            raise InvalidTask(problem)
         for job, _ in made:
             job.unique_key = unique.key_for(task, self.alias, job.args, job.kwargs)
         # No savepoint of our own: an error here is the caller's to roll back.
@@ -244,8 +248,6 @@ class ReliableJobsBackend(BaseTaskBackend):
     def validate_task(self, task: Task[..., Any]) -> None:
         super().validate_task(task)
         if not is_valid_queue_name(task.queue_name):
-            from .compat import InvalidTask
-
             raise InvalidTask(
                 f"Queue name {task.queue_name!r} cannot be used in Redis keys: use 1 to 100 "
                 "letters, digits, '.', '_' or '-'."

@@ -9,6 +9,9 @@ enqueue failing in production. Ids:
   lease, E008 DATABASE alias unknown, E009 app not in INSTALLED_APPS.
 - E010 a bad OPTIONS['SHARDS'] entry (not 1 to 1024 shards, or a queue not
   in QUEUES).
+- E014 a unique task (``unique_for_ms``) whose backend's database has no
+  partial unique indexes (MySQL, MariaDB, Oracle): equal calls would not be
+  deduplicated.
 - W001 Redis does not answer (a warning: it may start after the web app).
 - W003 Redis may evict keys (maxmemory-policy is not noeviction); a
   deployment check (``check --deploy``).
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from django.conf import settings
 from django.core import checks
 from redis.exceptions import ResponseError
 
@@ -69,9 +73,33 @@ def check_backend(backend: ReliableJobsBackend) -> list[checks.CheckMessage]:
                  "other's jobs.",
             id="reliable_jobs.W002",
         ))
+    if backend.config.DATABASE in settings.DATABASES:  # else E008 said so
+        messages += _check_unique_tasks(where, backend)
     if not any(m.id == "reliable_jobs.E002" for m in messages):
         messages += _check_reachable(where, backend.config.REDIS_URL)
     return messages
+
+
+def _check_unique_tasks(where: str, backend: ReliableJobsBackend) -> list[checks.CheckMessage]:
+    """E014 when a unique task's jobs go to a database without partial indexes.
+
+    Only tasks imported by the time ``check`` runs are seen; enqueue refuses
+    the others with the same message.
+    """
+    from .tasks import ReliableTask, registered
+    from .unique import database_problem
+
+    unique = sorted(task.module_path for task in registered()
+                    if isinstance(task, ReliableTask) and task.backend == backend.alias
+                    and task.unique_for_ms is not None)
+    problem = database_problem(backend.database) if unique else None
+    if problem is None:
+        return []
+    return [checks.Error(
+        f"{where}: {problem}",
+        hint=f"Unique tasks: {', '.join(unique)}.",
+        id="reliable_jobs.E014",
+    )]
 
 
 def _check_reachable(where: str, url: str) -> list[checks.CheckMessage]:

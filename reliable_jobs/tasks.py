@@ -80,6 +80,12 @@ def register(task: Task[..., Any]) -> None:
         _registry.setdefault(task.module_path, task)
 
 
+def registered() -> list[Task[..., Any]]:
+    """Every task registered in this process so far (for system checks)."""
+    with _lock:
+        return list(_registry.values())
+
+
 def lookup(task_path: object) -> Task[..., Any] | None:
     """Return the task a worker may run for ``task_path``, or None; imports nothing.
 

@@ -58,6 +58,23 @@ def check_options(task: ReliableTask) -> None:
                 f"{task.func.__qualname__}() (it takes {', '.join(parameters) or 'none'}).")
 
 
+def database_problem(database: str) -> str | None:
+    """Why unique jobs cannot work on ``database`` (an alias), or None.
+
+    Without partial indexes (MySQL, MariaDB, Oracle) Django skips the
+    conditional unique constraint with only a model warning, and equal
+    calls would all be enqueued: refuse rather than pretend.
+    """
+    from django.db import connections
+
+    connection = connections[database]
+    if connection.features.supports_partial_indexes:
+        return None
+    return (f"Database {database!r} ({connection.vendor}) has no partial unique indexes, "
+            "which unique jobs (unique_for_ms) rely on: use PostgreSQL or SQLite for the "
+            "job mirror, or drop unique_for_ms.")
+
+
 def key_for(task: ReliableTask, alias: str, args: Sequence[Any], kwargs: dict[str, Any]) -> str:
     """The unique key of one call of ``task`` (a unique task) on backend ``alias``.
 

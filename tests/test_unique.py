@@ -519,3 +519,30 @@ def test_the_key_names_backend_queue_task_and_call(rj_settings: Any) -> None:
     assert len(keys) == 5
     assert unique.key_for(report, "default", [1], {}) == unique.key_for(
         report, "default", [], {"account": 1, "month": "2026-12"})
+
+
+def test_a_database_without_partial_indexes_is_refused_by_check_and_enqueue(
+    backend: ReliableJobsBackend, monkeypatch: pytest.MonkeyPatch, redis_client: redis.Redis
+) -> None:
+    # Given: a mirror database that has no partial indexes (MySQL, Oracle: Django
+    # would skip the unique index with only a warning). No such server runs
+    # here, so the connection's feature flag says it.
+    monkeypatch.setattr(connections["default"].features, "supports_partial_indexes", False)
+
+    # When / Then: manage.py check names the unique tasks...
+    errors = [m for m in backend.check() if m.id == "reliable_jobs.E014"]
+    assert len(errors) == 1
+    assert "has no partial unique indexes" in errors[0].msg
+    assert report.module_path in (errors[0].hint or "")
+    # ...and enqueue refuses a unique task before writing anything; plain tasks still go
+    with pytest.raises(InvalidTask, match="has no partial unique indexes"):
+        report.enqueue(1)
+    assert Job.objects.count() == 0
+    plain_report.enqueue(1)
+    assert Job.objects.count() == 1
+
+
+def test_check_is_silent_for_unique_tasks_on_postgresql_and_sqlite(
+    backend: ReliableJobsBackend
+) -> None:
+    assert [m for m in backend.check() if m.id == "reliable_jobs.E014"] == []
