@@ -176,13 +176,7 @@ class ReliableJobsBackend(BaseTaskBackend):
             return self._enqueue_unique(task, made, now=now)
         with transaction.atomic(using=self.database):
             mirror.insert_jobs(self.database, jobs)
-
-            def push() -> None:
-                for physical, new_jobs in by_shard.items():
-                    for start in range(0, len(new_jobs), 1000):
-                        self._push(physical, new_jobs[start:start + 1000])
-
-            transaction.on_commit(push, using=self.database)
+            self._push_on_commit(by_shard)
         results = [self._result(job, task) for job in jobs]
         for result in results:
             task_enqueued.send(type(self), task_result=result)
@@ -213,14 +207,8 @@ class ReliableJobsBackend(BaseTaskBackend):
             for (job, new_job), holder in zip(made, holders, strict=True):
                 if holder is job:
                     by_shard[job.physical_queue].append(new_job)
-
-            def push() -> None:
-                for physical, new_jobs in by_shard.items():
-                    for start in range(0, len(new_jobs), 1000):
-                        self._push(physical, new_jobs[start:start + 1000])
-
             if by_shard:
-                transaction.on_commit(push, using=self.database)
+                self._push_on_commit(by_shard)
         results: dict[Any, TaskResult[..., Any]] = {}
         for (job, _), holder in zip(made, holders, strict=True):
             if holder.pk not in results:
@@ -228,6 +216,16 @@ class ReliableJobsBackend(BaseTaskBackend):
                 if holder is job:
                     task_enqueued.send(type(self), task_result=results[holder.pk])
         return [results[holder.pk] for holder in holders]
+
+    def _push_on_commit(self, by_shard: dict[str, list[NewJob]]) -> None:
+        """Push jobs (by physical queue) once the transaction commits, 1,000 per script call."""
+
+        def push() -> None:
+            for physical, new_jobs in by_shard.items():
+                for start in range(0, len(new_jobs), 1000):
+                    self._push(physical, new_jobs[start:start + 1000])
+
+        transaction.on_commit(push, using=self.database)
 
     def _pick_shard(self, queue: str) -> int:
         """A random shard of ``queue``: producers spread jobs, workers drain all shards."""
