@@ -186,9 +186,9 @@ class ReliableJobsBackend(BaseTaskBackend):
                         now: datetime) -> list[TaskResult[..., Any]]:
         """Enqueue calls of a unique task: each gets its new job, or the unfinished equal one.
 
-        The rows and the check are in the caller's transaction (one of our
-        own when there is none), so a rolled-back enqueue frees the key;
-        only jobs that were inserted are pushed, on commit, and signalled.
+        The rows and the check are in the caller's transaction, if any, so a
+        rolled-back enqueue frees the key; only jobs that were inserted are
+        pushed, on commit, and signalled.
         """
         from . import mirror, unique  # see enqueue()
 
@@ -198,17 +198,19 @@ class ReliableJobsBackend(BaseTaskBackend):
             raise InvalidTask(problem)
         for job, _ in made:
             job.unique_key = unique.key_for(task, self.alias, job.args, job.kwargs)
-        # No savepoint of our own: an error here is the caller's to roll back.
-        with transaction.atomic(using=self.database, savepoint=False):
-            holders = mirror.insert_unique_jobs(
-                self.database, [job for job, _ in made], window_ms=task.unique_for_ms or 0,
-                while_running=task.unique_while_running, now=now)
-            by_shard: dict[str, list[NewJob]] = defaultdict(list)
-            for (job, new_job), holder in zip(made, holders, strict=True):
-                if holder is job:
-                    by_shard[job.physical_queue].append(new_job)
-            if by_shard:
-                self._push_on_commit(by_shard)
+        # No transaction of our own: inside the caller's, everything is in it;
+        # outside one, each statement commits by itself, which is enough (the
+        # index judges each INSERT, and a stale key given up stays given up),
+        # and the push follows the rows' commit.
+        holders = mirror.insert_unique_jobs(
+            self.database, [job for job, _ in made], window_ms=task.unique_for_ms or 0,
+            while_running=task.unique_while_running, now=now)
+        by_shard: dict[str, list[NewJob]] = defaultdict(list)
+        for (job, new_job), holder in zip(made, holders, strict=True):
+            if holder is job:
+                by_shard[job.physical_queue].append(new_job)
+        if by_shard:
+            self._push_on_commit(by_shard)
         results: dict[Any, TaskResult[..., Any]] = {}
         for (job, _), holder in zip(made, holders, strict=True):
             if holder.pk not in results:

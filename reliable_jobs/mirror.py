@@ -27,6 +27,7 @@ import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from functools import lru_cache
 from typing import Any
 
 from django.db import IntegrityError, connections, transaction
@@ -217,15 +218,20 @@ def _insert_ignoring_conflicts(using: str, jobs: Sequence[Job]) -> set[uuid.UUID
                 continue
             inserted.add(job.pk)
         return inserted
-    row = "(" + ", ".join(["%s"] * len(_UNIQUE_COLUMNS)) + ")"
     with connection.cursor() as cursor:
         for chunk in _chunks(jobs, _UNIQUE_BATCH):
-            cursor.execute(
-                f"INSERT INTO {Job._meta.db_table} ({', '.join(_UNIQUE_COLUMNS)}) "
-                f"VALUES {', '.join([row] * len(chunk))} ON CONFLICT DO NOTHING RETURNING id",
-                [value for job in chunk for value in (*_row_values(job), job.unique_key)])
+            cursor.execute(_pg_insert_unique(len(chunk)), [
+                value for job in chunk for value in (*_row_values(job), job.unique_key)])
             inserted.update(pk for (pk,) in cursor.fetchall())
     return inserted
+
+
+@lru_cache(maxsize=8)
+def _pg_insert_unique(rows: int) -> str:
+    """INSERT of ``rows`` new jobs with their keys, skipping those whose key is taken."""
+    row = "(" + ", ".join(["%s"] * len(_UNIQUE_COLUMNS)) + ")"
+    return (f"INSERT INTO {Job._meta.db_table} ({', '.join(_UNIQUE_COLUMNS)}) "
+            f"VALUES {', '.join([row] * rows)} ON CONFLICT DO NOTHING RETURNING id")
 
 
 def _release_keys(using: str, job_ids: Sequence[Any]) -> None:
@@ -236,8 +242,10 @@ def _release_keys(using: str, job_ids: Sequence[Any]) -> None:
     if not job_ids:
         return
     rows = Job.objects.using(using).filter(pk__in=job_ids, state__in=UNFINISHED_STATES)
-    locked = list(rows.select_for_update(no_key=True).order_by("pk").values_list("pk", flat=True))
-    Job.objects.using(using).filter(pk__in=locked).update(unique_key=None)
+    with transaction.atomic(using=using, savepoint=False):
+        locked = list(rows.select_for_update(no_key=True).order_by("pk")
+                      .values_list("pk", flat=True))
+        Job.objects.using(using).filter(pk__in=locked).update(unique_key=None)
 
 
 def record(using: str, records: Iterable[AttemptRecord]) -> None:
