@@ -381,8 +381,9 @@ def test_a_caller_waiting_on_a_transaction_that_rolls_back_gets_a_new_job(
     assert redis_client.lrange(QUEUED, 0, -1) == waiter
 
 
+@pytest.mark.parametrize("in_transaction", [True, False], ids=["atomic", "autocommit"])
 def test_twenty_threads_enqueueing_one_call_make_one_job(
-    backend: ReliableJobsBackend, redis_client: redis.Redis
+    backend: ReliableJobsBackend, redis_client: redis.Redis, in_transaction: bool
 ) -> None:
     # Given: 20 threads, each with its own database connection, lined up
     barrier = threading.Barrier(20, timeout=30)
@@ -392,11 +393,14 @@ def test_twenty_threads_enqueueing_one_call_make_one_job(
     def producer() -> None:
         try:
             barrier.wait()
-            with transaction.atomic():
+            if not in_transaction:
                 result = report.enqueue(42)
-                # Hold the transaction a moment, so the others meet the
-                # uncommitted row, not only a committed one.
-                threading.Event().wait(0.05)
+            else:
+                with transaction.atomic():
+                    result = report.enqueue(42)
+                    # Hold the transaction a moment, so the others meet the
+                    # uncommitted row, not only a committed one.
+                    threading.Event().wait(0.05)
             ids.append(result.id)
         except BaseException as exc:  # reported by the test thread
             errors.append(exc)
