@@ -110,7 +110,10 @@ class Job(models.Model):
             # key) and finished ones never enter it.
             models.UniqueConstraint(
                 fields=["unique_key"],
-                condition=models.Q(unique_key__isnull=False, state__in=UNFINISHED_STATES),
+                # The key test first: PostgreSQL evaluates the predicate on
+                # every insert and update, and for plain rows it ends there.
+                condition=(models.Q(unique_key__isnull=False)
+                           & models.Q(state__in=UNFINISHED_STATES)),
                 name="rj_job_unique_key",
             ),
         ]

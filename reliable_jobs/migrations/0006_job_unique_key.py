@@ -15,6 +15,6 @@ class Migration(migrations.Migration):
         ),
         migrations.AddConstraint(
             model_name="job",
-            constraint=models.UniqueConstraint(condition=models.Q(("state__in", ("scheduled", "queued", "running")), ("unique_key__isnull", False)), fields=("unique_key",), name="rj_job_unique_key"),
+            constraint=models.UniqueConstraint(condition=models.Q(("unique_key__isnull", False), ("state__in", ("scheduled", "queued", "running"))), fields=("unique_key",), name="rj_job_unique_key"),
         ),
     ]
