@@ -168,14 +168,10 @@ def insert_unique_jobs(using: str, jobs: Sequence[Job], *, window_ms: int,
         taken = [job for job in pending if job.pk not in inserted]
         if not taken:
             break
-        # A new statement: under READ COMMITTED it sees the holder whose commit
-        # the INSERT waited for (an INSERT ... RETURNING could not).
-        found = {row.unique_key: row for chunk in _chunks([job.unique_key for job in taken])
-                 for row in Job.objects.using(using).filter(unique_key__in=chunk,
-                                                            state__in=UNFINISHED_STATES)}
+        found = _key_holders(using, [str(job.unique_key) for job in taken])
         pending, stale = [], []
         for job in taken:
-            row = found.get(job.unique_key)
+            row = found.get(str(job.unique_key))
             if row is not None and _holds_key(row, window, while_running, now):
                 holders[str(job.unique_key)] = row
                 continue
@@ -190,6 +186,26 @@ def insert_unique_jobs(using: str, jobs: Sequence[Job], *, window_ms: int,
             f"Could not settle the unique keys of {len(pending)} job(s) in {_UNIQUE_ROUNDS} "
             "rounds: their holders kept changing. Enqueue them again.")
     return [holders[str(job.unique_key)] for job in jobs]
+
+
+#: The unfinished jobs holding some keys: a ready-made statement, as the plain
+#: INSERT is (the ORM built it each time, most of a duplicate enqueue's cost).
+_PG_KEY_HOLDERS = (f"SELECT * FROM {Job._meta.db_table} WHERE unique_key = ANY(%s) AND state IN ("
+                   + ", ".join(f"'{state}'" for state in UNFINISHED_STATES) + ")")
+
+
+def _key_holders(using: str, keys: Sequence[str]) -> dict[str, Job]:
+    """The unfinished job holding each of ``keys`` (those held), by key.
+
+    A new statement: under READ COMMITTED it sees the holder whose commit
+    the INSERT waited for (an INSERT ... RETURNING could not).
+    """
+    if connections[using].vendor == "postgresql":
+        rows: Iterable[Job] = Job.objects.using(using).raw(_PG_KEY_HOLDERS, [list(keys)])
+    else:
+        rows = (row for chunk in _chunks(keys) for row in Job.objects.using(using).filter(
+            unique_key__in=chunk, state__in=UNFINISHED_STATES).order_by())
+    return {str(row.unique_key): row for row in rows}
 
 
 def _holds_key(row: Job, window: timedelta, while_running: bool, now: datetime) -> bool:
