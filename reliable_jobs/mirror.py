@@ -16,6 +16,12 @@ final:
   in the attempt's error, the job follows the attempt that holds it now;
 - no worker record moves a cancelled job.
 
+A unique job's key (``Job.unique_key``) counts only while the row is
+unfinished (the partial index rj_job_unique_key), so every write here that
+ends a job frees its key with the same UPDATE, at no extra cost; the one
+write that makes a finished job unfinished again (:func:`mark_queued_again`)
+clears the key first, and :func:`insert_unique_jobs` is the only reader.
+
 Worker writes arrive in batches (one transaction per batch); a failed batch
 is retried by the caller, never dropped, and the Redis ack waits for it.
 """

@@ -21,7 +21,7 @@ import redis
 from django.db import connection, connections, transaction
 from django.utils import timezone
 
-from reliable_jobs import staff, unique
+from reliable_jobs import mirror, staff, unique
 from reliable_jobs.backend import ReliableJobsBackend
 from reliable_jobs.compat import InvalidTask, TaskContext, task, task_backends, task_enqueued
 from reliable_jobs.models import Job, JobState
@@ -186,14 +186,18 @@ def test_enqueue_many_dedupes_within_the_batch_and_against_the_table(
 # -- when the key is free again ----------------------------------------------------
 
 
-@pytest.mark.parametrize("ending", ["succeeded", "dead", "cancelled"])
+@pytest.mark.parametrize("ending", ["succeeded", "dead", "buried", "cancelled"])
 def test_the_key_is_free_once_the_job_ends(backend: ReliableJobsBackend, ending: str) -> None:
-    # Given: a unique job that ends (through the mirror, as a worker or staff end it)
+    # Given: a unique job that ends through the mirror, as a worker (its outcome),
+    # the sweep (a death Redis recorded) or staff (a cancel) end it
     first = report.enqueue(1)
     if ending == "succeeded":
         run_attempt(backend, first.id, outcome="succeeded")
     elif ending == "dead":
         make_dead(backend, first.id, attempts=3)
+    elif ending == "buried":
+        mirror.bury(backend.database, first.id, attempts=3, gen=0, error="boom")
+        ending = "dead"
     else:
         assert staff.cancel(backend, first.id).done
 
