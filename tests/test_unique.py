@@ -426,6 +426,42 @@ def test_twenty_threads_enqueueing_one_call_make_one_job(
     assert redis_client.lrange(QUEUED, 0, -1) == ids[:1]
 
 
+def test_twenty_threads_taking_over_an_expired_key_make_one_new_job(
+    backend: ReliableJobsBackend, redis_client: redis.Redis
+) -> None:
+    # Given: a queued job whose window has passed, and 20 threads lined up
+    old = report.enqueue(42)
+    Job.objects.filter(pk=old.id).update(enqueued_at=timezone.now() - timedelta(minutes=2))
+    barrier = threading.Barrier(20, timeout=30)
+    ids: list[str] = []
+    errors: list[BaseException] = []
+
+    def producer() -> None:
+        try:
+            barrier.wait()
+            with transaction.atomic():
+                ids.append(report.enqueue(42).id)
+        except BaseException as exc:  # reported by the test thread
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    # When: they all enqueue the same call at once (each finds the stale holder)
+    threads = [threading.Thread(target=producer) for _ in range(20)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads)
+
+    # Then: one new job, which every producer got; the old one waits on, keyless
+    assert not errors, errors
+    assert len(set(ids)) == 1 and ids[0] != old.id
+    keys = dict(Job.objects.values_list("pk", "unique_key"))
+    assert len(keys) == 2 and keys[Job.objects.get(pk=old.id).pk] is None
+    assert sorted(redis_client.lrange(QUEUED, 0, -1)) == sorted([old.id, ids[0]])
+
+
 #: What each producer process runs (manage.py shell -c): line up, then enqueue.
 PRODUCER = """
 import os, pathlib, time
