@@ -149,16 +149,18 @@ def insert_unique_jobs(using: str, jobs: Sequence[Job], *, window_ms: int,
 
     Returns, per job in order, the job that holds its key: the job itself
     when it was inserted, the earlier job otherwise (an earlier one of
-    ``jobs`` with the same key counts too). Must run inside the caller's
-    transaction: the rj_job_unique_key index is the judge, so of two
-    transactions inserting one key the second waits for the first, and
-    takes the key itself if the first rolls back.
+    ``jobs`` with the same key counts too). Runs in the caller's
+    transaction, if any (each statement commits by itself otherwise): the
+    rj_job_unique_key index is the judge, so of two transactions inserting
+    one key the second waits for the first, and takes the key itself if the
+    first rolls back.
 
     A holder counts while it is queued or scheduled (running too with
     ``while_running``) and its window lasts: ``window_ms`` from its enqueue,
     or from its run_after when that is later. One that no longer counts
-    gives its key up here (the row keeps its state; this transaction holds
-    its lock until it ends), and the job is inserted in its place.
+    gives its key up here (the row keeps its state; the caller's
+    transaction holds its lock until it ends), and the job is inserted in
+    its place.
     """
     firsts: dict[str, Job] = {}
     for job in jobs:
