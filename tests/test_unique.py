@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import redis
+from asgiref.sync import async_to_sync
 from django.db import connection, connections, transaction
 from django.utils import timezone
 
@@ -143,6 +144,27 @@ def test_a_task_that_takes_its_context_is_keyed_by_its_callers_arguments(
     first = report_with_context.enqueue(5)
     assert report_with_context.enqueue(account=5).id == first.id
     assert report_with_context.enqueue(6).id != first.id
+
+
+def test_equal_calls_on_a_sharded_queue_are_one_job(
+    rj_settings: Any, redis_client: redis.Redis
+) -> None:
+    # Given: the queue split into 4 shards (each enqueue picks one at random)
+    rj_settings(SHARDS={"default": 4})
+
+    # When: the same call is enqueued 12 times
+    ids = {report.enqueue(3).id for _ in range(12)}
+
+    # Then: one job, on one shard
+    assert len(ids) == 1 == Job.objects.count()
+    pushed = [job_id for shard in ("default", "default#1", "default#2", "default#3")
+              for job_id in redis_client.lrange(f"rj:{{{shard}}}:queued", 0, -1)]
+    assert pushed == list(ids)
+
+
+def test_aenqueue_returns_the_same_job(backend: ReliableJobsBackend) -> None:
+    first = async_to_sync(report.aenqueue)(8)
+    assert async_to_sync(report.aenqueue)(account=8).id == first.id
 
 
 def test_unique_and_plain_calls_of_one_task_mix(
