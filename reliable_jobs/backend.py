@@ -30,7 +30,7 @@ from django.db import transaction
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
-from . import conf, payload
+from . import conf, payload, telemetry
 from .broker import REDIS_ERRORS, Broker, NewJob, epoch_ms
 from .compat import (
     BaseTaskBackend,
@@ -119,13 +119,18 @@ class ReliableJobsBackend(BaseTaskBackend):
             self, task: Task[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
     ) -> TaskResult[..., Any]:
         """Write the job row now and push it to Redis when the transaction commits."""
+        with telemetry.hook.enqueue(task.queue_name, task.module_path, 1) as trace:
+            return self._enqueue(task, args, kwargs, trace)
+
+    def _enqueue(self, task: Task[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
+                 trace: str | None) -> TaskResult[..., Any]:
         self._raise_if_misconfigured()  # first: E009 before any model import
         self.validate_task(task)
         ensure_reachable(task)
         from . import mirror  # not at module level: see the module docstring
 
         text = payload.encode(task.module_path, tuple(args), dict(kwargs),
-                              max_bytes=self.config.MAX_PAYLOAD_BYTES)
+                              max_bytes=self.config.MAX_PAYLOAD_BYTES, trace=trace)
         now = timezone.now()
         job = mirror_job(self.alias, task, args, kwargs,
                          max_attempts=self.task_option(task, "max_attempts"), now=now,
@@ -142,6 +147,13 @@ class ReliableJobsBackend(BaseTaskBackend):
         self, task: Task[..., Any], calls: Iterable[tuple[Sequence[Any], dict[str, Any]]]
     ) -> list[TaskResult[..., Any]]:
         """Enqueue many calls of one task: one bulk insert, one script call per 1,000."""
+        calls = list(calls)
+        with telemetry.hook.enqueue(task.queue_name, task.module_path, len(calls)) as trace:
+            return self._enqueue_many(task, calls, trace)
+
+    def _enqueue_many(self, task: Task[..., Any],
+                      calls: list[tuple[Sequence[Any], dict[str, Any]]],
+                      trace: str | None) -> list[TaskResult[..., Any]]:
         self._raise_if_misconfigured()
         self.validate_task(task)
         ensure_reachable(task)
@@ -154,7 +166,7 @@ class ReliableJobsBackend(BaseTaskBackend):
         by_shard: dict[str, list[NewJob]] = defaultdict(list)
         for args, kwargs in calls:
             text = payload.encode(task.module_path, tuple(args), dict(kwargs),
-                                  max_bytes=self.config.MAX_PAYLOAD_BYTES)
+                                  max_bytes=self.config.MAX_PAYLOAD_BYTES, trace=trace)
             job = mirror_job(self.alias, task, args, kwargs, max_attempts=max_attempts, now=now,
                              shard=self._pick_shard(task.queue_name))
             jobs.append(job)

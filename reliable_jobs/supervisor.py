@@ -133,6 +133,8 @@ class Child:
     """One of the P places: the process serving it now, or when to start the next."""
 
     worker_id: str = ""
+    #: Which of the P places (0 to P - 1): a replacement takes its place's metrics port.
+    place: int = 0
     proc: subprocess.Popen[bytes] | None = None
     #: time.monotonic() when ``proc`` started.
     started: float = 0.0
@@ -145,10 +147,13 @@ class Child:
 class Supervisor:
     """Start ``processes`` children running ``command``, keep them up, stop them together."""
 
-    def __init__(self, command: Sequence[str], *, processes: int, base_id: str) -> None:
+    def __init__(self, command: Sequence[str], *, processes: int, base_id: str,
+                 metrics_port: int | None = None) -> None:
         self.command = list(command)
         self.base_id = base_id
-        self.children = [Child() for _ in range(processes)]
+        #: With ``--metrics-port N``, place i's process listens on N + i.
+        self.metrics_port = metrics_port
+        self.children = [Child(place=i) for i in range(processes)]
         self.stopping = False
         #: Children whose last exit, after the stop, was a failure.
         self.failed: list[str] = []
@@ -237,9 +242,11 @@ class Supervisor:
         child.worker_id = f"{self.base_id}-{self._started_total}"
         child.restart_at = None
         child.started = time.monotonic()
+        port = ([] if self.metrics_port is None
+                else ["--metrics-port", str(self.metrics_port + child.place)])
         try:
             child.proc = subprocess.Popen(
-                [*self.command, "--processes", "1", "--worker-id", child.worker_id],
+                [*self.command, "--processes", "1", "--worker-id", child.worker_id, *port],
                 stdin=subprocess.DEVNULL, start_new_session=True,
                 preexec_fn=signal_when_parent_dies(os.getpid(), signal.SIGTERM),
             )

@@ -120,6 +120,8 @@ class Worker:
         self._claimed_total = 0
         self._signals = 0
         self._started_at = time.time()
+        #: time.monotonic() when the claim loop last went round (health.HeartbeatFile).
+        self.loop_tick = time.monotonic()
 
         self._stopping = threading.Event()
         self._hard_stop = threading.Event()
@@ -278,6 +280,7 @@ class Worker:
     def _main_loop(self) -> None:
         backoff = Backoff()
         while not self._stopping.is_set():
+            self.loop_tick = time.monotonic()
             try:
                 if self._limit_reached():
                     break

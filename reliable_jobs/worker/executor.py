@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from django.db import close_old_connections
 from django.utils import timezone
 
-from .. import payload, retry
+from .. import payload, retry, telemetry
 from ..broker import REDIS_ERRORS, ClaimedJob
 from ..compat import (
     TaskContext,
@@ -170,20 +170,8 @@ class Executor:
                 )
             result = self._task_result(task, job, decoded, started_at)
             task_started.send(type(self.backend), task_result=result)
-            crash_point("in_task")
-            timeout_ms = self.backend.task_option(task, "timeout_ms")
-            if timeout_ms:
-                value = run_in_child(
-                    payload_text=job.payload, job_id=job.id, attempt=job.attempt,
-                    worker_id=self.worker_id, backend=self.backend.alias,
-                    queue=logical_queue(job.queue),
-                    timeout_s=timeout_ms / 1000,
-                )
-            elif task.takes_context:
-                value = task.call(TaskContext(task_result=result), *decoded.args, **decoded.kwargs)
-            else:
-                value = task.call(*decoded.args, **decoded.kwargs)
-            value = normalize_json(value)
+            with telemetry.hook.attempt(job, task_path, decoded.trace):
+                value = normalize_json(self._call(task, job, decoded, result))
         except Exception as exc:
             self._fail(job, exc, task_path, result, started_at, started_clock)
         else:
@@ -196,7 +184,9 @@ class Executor:
                                  job_state=JobState.SUCCEEDED, worker_id=self.worker_id,
                                  started_at=started_at, finished_at=finished_at,
                                  outcome=AttemptOutcome.SUCCEEDED, return_value=value)
-            self.finisher.submit(Outcome(done, job=job, delay_ms=None))
+            self.finisher.submit(Outcome(done, job=job, delay_ms=None, task=task_path))
+            telemetry.hook.finished(job, task_path, JobState.SUCCEEDED,
+                                    time.perf_counter() - started_clock)
             # One line per success only from -v 2: at a few thousand jobs a
             # second it cost about a quarter of the drain rate. Failures keep
             # their line at the default verbosity.
@@ -204,6 +194,22 @@ class Executor:
                 logger.debug("Job %s %s attempt %d/%d succeeded in %.1f ms.", printable(job.id),
                              task_path, job.attempt, job.max_attempts,
                              (time.perf_counter() - started_clock) * 1000)
+
+    def _call(self, task: Any, job: ClaimedJob, decoded: payload.Payload,
+              result: TaskResult[..., Any]) -> Any:
+        """Run the task (in a child process when it has a time limit); return its value."""
+        crash_point("in_task")
+        timeout_ms = self.backend.task_option(task, "timeout_ms")
+        if timeout_ms:
+            return run_in_child(
+                payload_text=job.payload, job_id=job.id, attempt=job.attempt,
+                worker_id=self.worker_id, backend=self.backend.alias,
+                queue=logical_queue(job.queue),
+                timeout_s=timeout_ms / 1000,
+            )
+        if task.takes_context:
+            return task.call(TaskContext(task_result=result), *decoded.args, **decoded.kwargs)
+        return task.call(*decoded.args, **decoded.kwargs)
 
     def _task_result(self, task: Any, job: ClaimedJob, decoded: payload.Payload,
                      started_at: datetime) -> TaskResult[..., Any]:
@@ -253,7 +259,8 @@ class Executor:
             object.__setattr__(result, "status", TaskResultStatus.FAILED)
             object.__setattr__(result, "finished_at", record.finished_at)
             task_finished.send(type(self.backend), task_result=result)
-        self.finisher.submit(Outcome(record, job=job, delay_ms=delay_ms))
+        self.finisher.submit(Outcome(record, job=job, delay_ms=delay_ms, task=task_path))
+        telemetry.hook.finished(job, task_path, state, time.perf_counter() - started_clock, exc)
         level = logging.WARNING if state == JobState.DEAD else logging.INFO
         logger.log(level, "Job %s %s attempt %d/%d failed in %.1f ms: %s; %s.",
                    printable(job.id), task_path, job.attempt, job.max_attempts,

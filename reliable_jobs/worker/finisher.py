@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from django.db import DatabaseError, connections
 
-from .. import mirror, retry
+from .. import mirror, retry, telemetry
 from ..broker import REDIS_ERRORS, Broker, ClaimedJob
 from ..faults import crash_point, raise_point
 from ..mirror import AttemptRecord
@@ -43,6 +43,8 @@ class Outcome:
     record: AttemptRecord
     job: ClaimedJob | None = None
     delay_ms: int | None = None
+    #: The task's dotted path, for metrics ("?" when unknown).
+    task: str = "?"
 
 
 @dataclass
@@ -200,6 +202,7 @@ class Finisher:
         for outcome, ok in zip(outcomes, applied, strict=True):
             if not ok and not retried:
                 self.stats.refused += 1
+                telemetry.hook.refused(outcome.job.queue if outcome.job else "", outcome.task)
                 logger.warning("Redis refused the outcome of job %s attempt %d: that attempt "
                                "is no longer held (lease expired).",
                                printable(outcome.record.job_id), outcome.record.attempt)

@@ -8,6 +8,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from reliable_jobs import metrics
 from reliable_jobs.backend import ReliableJobsBackend
 from reliable_jobs.compat import (
     DEFAULT_TASK_BACKEND_ALIAS,
@@ -15,6 +16,7 @@ from reliable_jobs.compat import (
     InvalidTaskBackend,
     task_backends,
 )
+from reliable_jobs.health import HeartbeatFile
 from reliable_jobs.supervisor import Supervisor, runworker_command_line
 from reliable_jobs.worker import Worker, default_worker_id
 
@@ -108,6 +110,17 @@ class Command(BaseCommand):
                                  "or is killed, forwards SIGTERM/SIGINT, and exits once all "
                                  "have exited. Their ids are <--worker-id>-<n> "
                                  "(default: %(default)r).")
+        parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                            help="Serve Prometheus metrics over HTTP on this port (needs the "
+                                 "prometheus extra). With --processes P, process i of P "
+                                 "listens on PORT + i (default: no metrics server).")
+        parser.add_argument("--metrics-addr", default="0.0.0.0", metavar="ADDRESS",
+                            help="Address the metrics server listens on "
+                                 "(default: %(default)r).")
+        parser.add_argument("--heartbeat-file", default=None, metavar="PATH",
+                            help="Touch PATH every few seconds while the claim loop runs, for "
+                                 "a liveness probe on its age; with --processes every process "
+                                 "touches it (default: none).")
 
     def handle(self, *args: Any, **options: Any) -> None:
         configure_logging(options["verbosity"])
@@ -131,9 +144,17 @@ class Command(BaseCommand):
             raise CommandError("--processes must be at least 1.")
         if options["burst_give_up"] <= 0:
             raise CommandError("--burst-give-up must be more than 0 seconds.")
+        port = options["metrics_port"]
+        if port is not None:
+            if not metrics.available():
+                raise CommandError(f"--metrics-port needs {metrics.MISSING}")
+            if not 0 < port <= 65535 - options["processes"] + 1:
+                raise CommandError("--metrics-port must leave room for one port per process "
+                                   "below 65536.")
         if options["processes"] > 1:
             supervisor = Supervisor(runworker_command_line(), processes=options["processes"],
-                                    base_id=options["worker_id"] or default_worker_id())
+                                    base_id=options["worker_id"] or default_worker_id(),
+                                    metrics_port=port)
             if supervisor.run():
                 raise CommandError("A worker process did not stop cleanly (logged above).")
             return
@@ -146,7 +167,26 @@ class Command(BaseCommand):
             give_up_s=options["burst_give_up"] if options["burst"] else None,
         )
         worker.install_signal_handlers()
-        worker.run()
+        if port is not None:
+            try:
+                metrics.serve(port, worker, addr=options["metrics_addr"])
+            except OSError as exc:
+                raise CommandError(f"Cannot serve metrics on {options['metrics_addr']}:{port} "
+                                   f"({exc.strerror or exc}).") from None
+        heartbeat = None
+        if options["heartbeat_file"]:
+            heartbeat = HeartbeatFile(options["heartbeat_file"], worker)
+            try:
+                heartbeat.start()
+            except OSError as exc:
+                raise CommandError(f"Cannot write the heartbeat file "
+                                   f"{options['heartbeat_file']!r} ({exc.strerror or exc})."
+                                   ) from None
+        try:
+            worker.run()
+        finally:
+            if heartbeat is not None:
+                heartbeat.stop()
         if worker.crashed:
             raise CommandError("A worker thread died of an unexpected error (logged above); "
                                "its jobs were handed back.")
