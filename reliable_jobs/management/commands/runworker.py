@@ -147,7 +147,7 @@ class Command(BaseCommand):
         port = options["metrics_port"]
         if port is not None:
             if not metrics.available():
-                raise CommandError(f"--metrics-port needs {metrics.MISSING}")
+                raise CommandError(f"--metrics-port cannot work: {metrics.MISSING}")
             if not 0 < port <= 65535 - options["processes"] + 1:
                 raise CommandError("--metrics-port must leave room for one port per process "
                                    "below 65536.")
