@@ -33,7 +33,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from django.db import DatabaseError, InterfaceError
+from django.db import DatabaseError, InterfaceError, connections
 from django.utils import timezone
 
 from .. import mirror
@@ -219,6 +219,11 @@ class Worker:
                             threading.current_thread().name, exc_info=True)
             self._hard_stop.set()
             self.stop()
+        finally:
+            # A thread's database sessions are its own: end them with it, so a
+            # worker run inside a longer-lived process (tests, embedding)
+            # leaves no session open behind it.
+            connections.close_all()
 
     def _shutdown(self, executors: list[threading.Thread], finisher: threading.Thread) -> None:
         """Release what never started, let the rest finish, release what is left.
