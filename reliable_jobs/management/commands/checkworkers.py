@@ -30,6 +30,9 @@ class Command(BaseCommand):
         "longer than --max-latency, 3 when the database or Redis does not answer, else 0. "
         "The reason is printed on one line."
     )
+    #: A probe asks about the servers, not the settings: no system checks (they
+    #: would add their own lines, and a round trip to Redis, to every run).
+    requires_system_checks: list[str] = []
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--backend", default=DEFAULT_TASK_BACKEND_ALIAS,
