@@ -14,6 +14,8 @@ enqueue failing in production. Ids:
   deployment check (``check --deploy``).
 - W002 REDIS_URL not set (absent, None or empty: usually an environment
   variable that is missing), so the default URL is used.
+- W020 the metrics view is mounted but prometheus_client is not installed
+  (registered by ``metrics.py``).
 
 Nothing here runs at import: a missing or unreachable Redis is reported by
 ``manage.py check``, never raised while settings or apps load.

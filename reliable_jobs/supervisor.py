@@ -18,7 +18,9 @@ whatever came before, even an abbreviated ``--proc 4`` (a child can never
 become a supervisor itself). ``n`` counts every child started, replacements
 included, so each process has its own id and the attempt history says which
 incarnation ran what: a killed ``w-2`` is replaced by ``w-3``, not by a
-second ``w-2``.
+second ``w-2``. With ``--metrics-port N`` the child in place i (0 to P - 1)
+also gets ``--metrics-port N+i``: each process serves its own counters, and
+a replacement takes over its place's port, so scrape targets stay fixed.
 
 Policy, and why:
 
