@@ -59,11 +59,11 @@ class Fanout(Hook):
         self.hooks = hooks
 
     def enqueue(self, queue: str, task: str, count: int) -> AbstractContextManager[str | None]:
-        return _Stacked([h.enqueue(queue, task, count) for h in self.hooks])
+        return _stack([h.enqueue(queue, task, count) for h in self.hooks])
 
     def attempt(self, job: ClaimedJob, task: str,
                 trace: str | None) -> AbstractContextManager[object]:
-        return _Stacked([h.attempt(job, task, trace) for h in self.hooks])
+        return _stack([h.attempt(job, task, trace) for h in self.hooks])
 
     def finished(self, job: ClaimedJob, task: str, state: str,
                  seconds: float, error: BaseException | None = None) -> None:
@@ -77,6 +77,14 @@ class Fanout(Hook):
     def recovered(self, queue: str, kind: str) -> None:
         for h in self.hooks:
             h.recovered(queue, kind)
+
+
+def _stack(contexts: list[AbstractContextManager[Any]]) -> AbstractContextManager[Any]:
+    """One context entering ``contexts``; those with nothing to wrap are left out."""
+    wrapping = [c for c in contexts if c is not NOTHING]
+    if not wrapping:
+        return NOTHING
+    return wrapping[0] if len(wrapping) == 1 else _Stacked(wrapping)
 
 
 class _Stacked(AbstractContextManager[Any]):

@@ -3,8 +3,8 @@
 When ``opentelemetry-api`` can be imported, the app installs
 :class:`TracingHook` at start-up (``telemetry.hook``); otherwise nothing
 here runs and nothing is imported. Spans go to whatever tracer provider the
-project configures (the SDK and an exporter); with none, the API's no-op
-tracer makes them cost a few microseconds and carry nothing.
+project configures (the SDK and an exporter); until one is configured, no
+span is made and each event costs one check.
 
 - ``enqueue <task>`` (kind PRODUCER) wraps ``enqueue()`` / ``enqueue_many()``,
   a child of the caller's current span (the request's, say). Its W3C
@@ -50,20 +50,41 @@ class TracingHook(telemetry.Hook):
     """Makes the enqueue and attempt spans, and carries the context between them."""
 
     def __init__(self) -> None:
-        self.tracer = trace.get_tracer("reliable_jobs", __version__)
         self.propagator = TraceContextTextMapPropagator()
+        self._provider: object = None
+        self._tracer: trace.Tracer | None = None
+
+    def _tracer_now(self) -> trace.Tracer | None:
+        """The tracer of the configured provider, or None while none is configured.
+
+        The API's own default (a proxy until the SDK's provider is set, or
+        the no-op one) would make spans that record nothing, at a few
+        microseconds each: without a provider, each event costs one check.
+        The provider may be set after start-up (in ``wsgi.py``), so it is
+        looked up on each event, and the tracer only when it changed.
+        """
+        provider = trace.get_tracer_provider()
+        if provider is not self._provider:
+            self._provider = provider
+            unset = isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider)
+            self._tracer = None if unset else trace.get_tracer("reliable_jobs", __version__)
+        return self._tracer
 
     def enqueue(self, queue: str, task: str, count: int) -> AbstractContextManager[str | None]:
-        return self._enqueue(queue, task, count)
+        tracer = self._tracer_now()
+        if tracer is None:
+            return telemetry.NOTHING
+        return self._enqueue(tracer, queue, task, count)
 
     @contextmanager
-    def _enqueue(self, queue: str, task: str, count: int) -> Iterator[str | None]:
+    def _enqueue(self, tracer: trace.Tracer, queue: str, task: str,
+                 count: int) -> Iterator[str | None]:
         attributes: dict[str, str | int] = {
             "messaging.system": SYSTEM, "messaging.operation.type": "send",
             "messaging.destination.name": queue, "reliable_jobs.task": task}
         if count != 1:
             attributes["messaging.batch.message_count"] = count
-        with self.tracer.start_as_current_span(f"enqueue {task}", kind=SpanKind.PRODUCER,
+        with tracer.start_as_current_span(f"enqueue {task}", kind=SpanKind.PRODUCER,
                                                attributes=attributes):
             carrier: dict[str, str] = {}
             self.propagator.inject(carrier)
@@ -71,13 +92,17 @@ class TracingHook(telemetry.Hook):
 
     def attempt(self, job: ClaimedJob, task: str,
                 trace: str | None) -> AbstractContextManager[object]:
-        return self._attempt(job, task, trace)
+        tracer = self._tracer_now()
+        if tracer is None:
+            return telemetry.NOTHING
+        return self._attempt(tracer, job, task, trace)
 
     @contextmanager
-    def _attempt(self, job: ClaimedJob, task: str, traceparent: str | None) -> Iterator[None]:
+    def _attempt(self, tracer: trace.Tracer, job: ClaimedJob, task: str,
+                 traceparent: str | None) -> Iterator[None]:
         parent = (self.propagator.extract({"traceparent": traceparent})
                   if traceparent is not None else None)
-        with self.tracer.start_as_current_span(
+        with tracer.start_as_current_span(
             f"run {task}", context=parent, kind=SpanKind.CONSUMER,
             attributes={"messaging.system": SYSTEM, "messaging.operation.type": "process",
                         "messaging.destination.name": logical_queue(job.queue),
