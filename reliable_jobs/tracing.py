@@ -4,7 +4,8 @@ When ``opentelemetry-api`` can be imported, the app installs
 :class:`TracingHook` at start-up (``telemetry.hook``); otherwise nothing
 here runs and nothing is imported. Spans go to whatever tracer provider the
 project configures (the SDK and an exporter); until one is configured, no
-span is made and each event costs one check.
+span is made and each event costs one check (an enqueue inside a trace
+propagated from elsewhere still passes that trace on to its jobs).
 
 - ``enqueue <task>`` (kind PRODUCER) wraps ``enqueue()`` / ``enqueue_many()``,
   a child of the caller's current span (the request's, say). Its W3C
@@ -22,7 +23,7 @@ or run anything else.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING
 
 from . import __version__, telemetry
@@ -72,9 +73,15 @@ class TracingHook(telemetry.Hook):
 
     def enqueue(self, queue: str, task: str, count: int) -> AbstractContextManager[str | None]:
         tracer = self._tracer_now()
-        if tracer is None:
+        if tracer is not None:
+            return self._enqueue(tracer, queue, task, count)
+        if not trace.get_current_span().get_span_context().is_valid:
             return telemetry.NOTHING
-        return self._enqueue(tracer, queue, task, count)
+        # No provider here, but a trace came in (a propagated request): pass
+        # it on, so a worker that does trace links its spans to it.
+        carrier: dict[str, str] = {}
+        self.propagator.inject(carrier)
+        return nullcontext(carrier.get("traceparent"))
 
     @contextmanager
     def _enqueue(self, tracer: trace.Tracer, queue: str, task: str,

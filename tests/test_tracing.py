@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,6 +21,8 @@ from reliable_jobs.compat import task_backends
 from reliable_jobs.keys import QueueKeys
 from reliable_jobs.worker import Worker
 from testproject.demo import tasks as demo
+
+from .conftest import REPO
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
 KEYS = QueueKeys("rj", "default")
@@ -173,3 +177,33 @@ def test_only_a_w3c_traceparent_is_kept(value: Any) -> None:
 def test_a_valid_traceparent_round_trips() -> None:
     good = "00-" + "a" * 32 + "-" + "b" * 16 + "-01"
     assert payload.decode(payload.encode("a.b", (), {}, max_bytes=1000, trace=good)).trace == good
+
+
+def test_with_no_tracer_provider_only_a_propagated_trace_is_passed_on(
+    rj_settings: Any, redis_client: redis.Redis
+) -> None:
+    # Given: a fresh process with opentelemetry-api installed but no provider configured
+    env = {**rj_settings(), "DJANGO_SETTINGS_MODULE": "testproject.settings"}
+    incoming = "00-" + "c" * 32 + "-" + "d" * 16 + "-01"
+    code = (
+        "import django; django.setup()\n"
+        "from opentelemetry import context, trace\n"
+        "from opentelemetry.trace.propagation.tracecontext import "
+        "TraceContextTextMapPropagator\n"
+        "from testproject.demo import tasks\n"
+        "with trace.get_tracer('t').start_as_current_span('local'):\n"
+        "    print(tasks.add.enqueue(1, 2).id)\n"
+        "context.attach(TraceContextTextMapPropagator().extract("
+        f"{{'traceparent': '{incoming}'}}))\n"
+        "print(tasks.add.enqueue(3, 4).id)\n"
+    )
+
+    # When: it enqueues a job inside a span of its own (recording nothing), then
+    # one inside a trace that came in from elsewhere (a request's traceparent header)
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, check=True,
+                         capture_output=True, text=True, timeout=60).stdout
+    local, propagated = out.strip().splitlines()[-2:]
+
+    # Then: the first payload has no trace field; the second passes the incoming one on
+    assert "trace" not in stored_payload(redis_client, local)
+    assert stored_payload(redis_client, propagated)["trace"] == incoming
