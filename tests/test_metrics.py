@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import urllib.request
@@ -14,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from reliable_jobs import metrics, telemetry
 from reliable_jobs.exceptions import InvalidJobArguments
-from reliable_jobs.models import Job, JobState
+from reliable_jobs.models import Attempt, Job, JobState
 from testproject.demo import tasks as demo
 
 from .conftest import REPO, Processes, wait_until
@@ -124,6 +125,43 @@ def test_each_worker_process_serves_its_own_port(rj_settings: Any,
     wait_until(lambda: total() == 40, message="both processes' counts to add up")
     supervisor.terminate()
     assert supervisor.wait(timeout=30) == 0, processes.log(supervisor)
+
+
+@pytest.mark.slow
+def test_a_refused_ack_and_a_recovery_are_counted_where_they_happen(
+    rj_settings: Any, processes: Processes
+) -> None:
+    # Given: worker A (metrics on port a) running a job of two seconds
+    env = rj_settings()
+    port_a, port_b = free_port(), free_port()
+    a = processes.worker(env, "--metrics-port", str(port_a), "--worker-id", "a")
+    scrape_when_up(port_a)
+    job = demo.sleep_for.enqueue(2.0)
+    wait_until(lambda: Attempt.objects.filter(job_id=job.id, number=1).exists(),
+               message="attempt 1 to start")
+
+    # When: A is frozen past its lease, worker B recovers the job and runs it again,
+    # then A wakes up and reports its stale outcome
+    a.send_signal(signal.SIGSTOP)
+    try:
+        b = processes.worker(env, "--metrics-port", str(port_b), "--worker-id", "b")
+        wait_until(lambda: Attempt.objects.filter(job_id=job.id, number=2).exists(),
+                   timeout=30, message="B to run attempt 2")
+    finally:
+        a.send_signal(signal.SIGCONT)
+    wait_until(lambda: Job.objects.get(pk=job.id).state == JobState.SUCCEEDED, timeout=30,
+               message="the job to succeed")
+
+    # Then: A counts one refused ack, B one recovery of an expired lease
+    sleep = "testproject.demo.tasks.sleep_for"
+    wait_until(lambda: value(scrape(port_a), "reliable_jobs_acks_refused_total",
+                             queue="default", task=sleep) == 1, message="A's refused ack")
+    assert value(scrape(port_b), "reliable_jobs_jobs_recovered_total", queue="default",
+                 kind="expired") == 1
+    assert value(scrape(port_b), "reliable_jobs_jobs_succeeded_total", queue="default",
+                 task=sleep) == 1
+    assert processes.stop(a) == 0
+    assert processes.stop(b) == 0
 
 
 def test_the_view_counts_enqueues_and_reads_the_queue(rj_settings: Any) -> None:
