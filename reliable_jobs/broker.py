@@ -89,7 +89,7 @@ class ClaimedJob:
     max_attempts: int
     payload: str
     gen: int = 0
-    #: Ms from its enqueue to this claim (Redis's clock), -1 when unknown; for metrics.
+    #: How long the job was ready before this claim (ms, server clock), -1 unknown.
     waited_ms: int = field(default=-1, compare=False)
 
     @property
@@ -312,15 +312,15 @@ class Broker:
     ) -> ClaimResult:
         """Claim up to ``count`` jobs (plus ``moved_id``) and stamp their leases."""
         k = self.keys(queue)
-        jobs_flat, dead_flat, garbage, remaining, waited = self._run(
+        jobs_flat, dead_flat, garbage, remaining = self._run(
             "claim",
             (k.queued, k.processing, k.leases, k.dead, k.wake, k.job_prefix, k.landing),
             (max(count, 1 if moved_id else 0), lease_ms, moved_id or ""),
         )
         jobs = [
             ClaimedJob(queue, jobs_flat[i], int(jobs_flat[i + 1]), int(jobs_flat[i + 2]),
-                       jobs_flat[i + 3], int(jobs_flat[i + 4]), int(waited[i // 5]))
-            for i in range(0, len(jobs_flat), 5)
+                       jobs_flat[i + 3], int(jobs_flat[i + 4]), int(jobs_flat[i + 5]))
+            for i in range(0, len(jobs_flat), 6)
         ]
         dead = [(dead_flat[i], int(dead_flat[i + 1]), int(dead_flat[i + 2]))
                 for i in range(0, len(dead_flat), 3)]

@@ -97,8 +97,8 @@ class PrometheusHook(telemetry.Hook):
                                   "Run time of each attempt.", labels, buckets=BUCKETS_S)
         self.queue_time = Histogram(
             "reliable_jobs_job_queue_wait_seconds",
-            "Time from enqueue to the first attempt's claim (a deferred job's includes "
-            "its deferral).", labels, buckets=BUCKETS_S)
+            "How long each job waited on its queue before its first attempt was claimed.",
+            labels, buckets=BUCKETS_S)
         #: Label children by (metric id, physical queue, task): a dict lookup
         #: instead of prometheus_client's locked one on every event.
         self._children: dict[tuple[int, str, str], Any] = {}

@@ -36,15 +36,14 @@
   attempts and gen are written back, so the token the fenced scripts compare
   always reads the same as the one returned.
 
-  Returns: { jobs, dead, garbage, remaining, waited }
-    jobs      flat list: id, attempt, max_attempts, payload, gen (per job);
-              attempt and gen together are the fencing token
+  Returns: { jobs, dead, garbage, remaining }
+    jobs      flat list: id, attempt, max_attempts, payload, gen, waited_ms
+              (per job); attempt and gen together are the fencing token;
+              waited_ms is how long the job was ready before this claim
+              (see latency.lua), -1 when its hash holds no time
     dead      flat list: id, attempts, gen (jobs that had no attempt left)
     garbage   list of ids moved aside: no job hash, or a damaged one
     remaining length of queued after the claim
-    waited    per claimed job, in the order of jobs: ms from its enqueue
-              (enqueued_ms, server clock) to this claim, or -1 when the hash
-              holds no enqueue time (for the time-in-queue metric)
   Errors: count or lease_ms not a whole number from 0 to 2^52 (nothing is
   written).
 ]]
@@ -111,11 +110,11 @@ if wanted > 0 then
   end
 end
 
-local jobs, dead, garbage, lease_args, waited = {}, {}, {}, {}, {}
+local jobs, dead, garbage, lease_args = {}, {}, {}, {}
 for _, job_id in ipairs(ids) do
   local job_key = job_prefix .. job_id
   local job = redis.call('HMGET', job_key, 'state', 'attempts', 'max_attempts', 'payload', 'gen',
-    'enqueued_ms')
+    'ready_ms', 'enqueued_ms')
   local gen = count_of(job[5], 0)
   if not KNOWN_STATES[job[1]] then
     -- No hash, or a damaged one: the database still has the job, and
@@ -157,8 +156,8 @@ for _, job_id in ipairs(ids) do
       jobs[#jobs + 1] = max_attempts
       jobs[#jobs + 1] = job[4] or ''
       jobs[#jobs + 1] = gen
-      local enqueued_ms = tonumber(job[6])
-      waited[#waited + 1] = enqueued_ms and math.max(0, now_ms - math.floor(enqueued_ms)) or -1
+      local ready_ms = tonumber(job[6]) or tonumber(job[7])
+      jobs[#jobs + 1] = ready_ms and math.max(0, now_ms - ready_ms) or -1
     end
   end
 end
@@ -170,4 +169,4 @@ local remaining = redis.call('LLEN', queued_key)
 if remaining > 0 and redis.call('LLEN', wake_key) == 0 then
   redis.call('RPUSH', wake_key, '1')
 end
-return { jobs, dead, garbage, remaining, waited }
+return { jobs, dead, garbage, remaining }
