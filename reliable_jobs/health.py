@@ -113,20 +113,21 @@ def oldest_age_ms(broker: Broker, physical: str, *, now_ms: int | None = None) -
     """How long the oldest job on ``physical``'s queued list has waited, in ms.
 
     O(1): the oldest id sits at the right end of the list (claims take from
-    there), its hash holds ``enqueued_ms`` (the Redis server's clock, as is
-    ``now_ms`` by default). None when nothing is queued. A job that was
-    deferred or retried counts from its first enqueue.
+    there), its hash holds when it became ready (``ready_ms``, where the
+    scripts record it) or else its ``enqueued_ms``, on the Redis server's
+    clock, as is ``now_ms`` by default. None when nothing is queued.
     """
     k = broker.keys(physical)
     oldest = broker.client.lindex(k.queued, -1)
     if oldest is None:
         return None
-    enqueued = broker.client.hget(k.job(oldest), "enqueued_ms")
-    if enqueued is None:
+    ready, enqueued = broker.client.hmget(k.job(oldest), "ready_ms", "enqueued_ms")
+    since = ready or enqueued
+    if since is None:
         return None
     now_ms = broker.server_time_ms() if now_ms is None else now_ms
     try:
-        return max(0, now_ms - int(enqueued))
+        return max(0, now_ms - int(since))
     except ValueError:
         return None
 
