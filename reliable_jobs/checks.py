@@ -29,11 +29,9 @@ from django.core import checks
 from redis.exceptions import ResponseError
 
 from .broker import REDIS_ERRORS, connect
-from .conf import DEFAULTS, mask_password
+from .conf import DEFAULTS
 from .keys import is_valid_queue_name
-
-# mask_password is imported from here by the worker too.
-__all__ = ["check_backend", "mask_password"]
+from .redaction import mask_password
 
 if TYPE_CHECKING:
     from .backend import ReliableJobsBackend

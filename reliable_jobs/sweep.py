@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
+import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from django.db import DatabaseError, InterfaceError, transaction
+from django.db import DatabaseError, InterfaceError, connections, transaction
 from django.utils import timezone
 
 from . import mirror, payload, telemetry
-from .broker import Fence, NewJob, RecoverResult, Settlement, epoch_ms
+from .broker import REDIS_ERRORS, Fence, NewJob, RecoverResult, Settlement, epoch_ms
 from .exceptions import LeaseExpired, class_path
 from .faults import crash_point
 from .mirror import AttemptRecord
@@ -264,3 +267,27 @@ class Sweep:
         crash_point("sweep_after_promote")
         report.add(self.reconcile())
         return report
+
+    def run_every(self, interval_s: float, stop: threading.Event, *,
+                  on_pass: Callable[[SweepReport, float], None],
+                  on_failure: Callable[[Exception], None]) -> None:
+        """Run a pass every ``interval_s`` seconds until ``stop`` is set.
+
+        A pass that cannot reach Redis or the database is retried at the next
+        one (every step is safe to repeat), after ``on_failure`` has been told
+        and the database connection dropped, so the next pass reconnects.
+        ``on_pass`` gets each report and the pass's duration in milliseconds.
+        Setting ``stop`` ends the loop after the pass under way: every step is
+        atomic, so stopping between passes leaves nothing half done.
+        """
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                report = self.run_once()
+            except (*REDIS_ERRORS, DatabaseError) as exc:  # type: ignore[misc]  # mypy cannot unpack a tuple[type, ...]
+                on_failure(exc)
+                connections[self.backend.config.DATABASE].close()
+                stop.wait(interval_s)
+                continue
+            on_pass(report, (time.monotonic() - started) * 1000)
+            stop.wait(max(0.0, interval_s - (time.monotonic() - started)))

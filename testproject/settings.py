@@ -133,7 +133,7 @@ if not env.str("REDIS_URL", default="") or not env.str("DATABASE_URL", default="
 
 # Django's error reports hide settings whose names look secret; this filter
 # also masks the password inside TASKS' REDIS_URL (and any other URL).
-DEFAULT_EXCEPTION_REPORTER_FILTER = "reliable_jobs.conf.SafeExceptionReporterFilter"
+DEFAULT_EXCEPTION_REPORTER_FILTER = "reliable_jobs.redaction.SafeExceptionReporterFilter"
 
 if env.bool("RJ_FAST_HASHER", default=False):
     # Tests log users in often; the default hasher costs ~0.3 s per login.

@@ -31,8 +31,8 @@ pytestmark = pytest.mark.slow
 
 PACKAGE = REPO / "reliable_jobs"
 #: Package data the wheel must carry (setup.cfg's package_data).
-DATA_GLOBS = ("scripts/*.lua", "templates/**/*.html", "static/**/*.css", "static/**/*.js",
-              "migrations/*.py", "py.typed")
+DATA_GLOBS = ("scripts/*.lua", "scripts/include/*.lua", "templates/**/*.html", "static/**/*.css",
+              "static/**/*.js", "migrations/*.py", "py.typed")
 #: What the sdist must carry beyond the package, so its tests run.
 SDIST_FILES = ("tests/conftest.py", "tests/tasks.py", "tests/test_backend.py",
                "testproject/settings.py", "manage.py", "setup.cfg", "pyproject.toml",

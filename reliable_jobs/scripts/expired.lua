@@ -24,25 +24,16 @@ if limit == nil or limit ~= math.floor(limit) or limit < 0 or limit > 4503599627
   return redis.error_reply('ERR expired: limit must be a whole number from 0 to 2^52')
 end
 
--- The generation as claim.lua wrote it back (a whole number); a damaged one reads as 0.
-local function gen_of(value)
-  local n = tonumber(value)
-  if n == nil or n ~= n or n < 0 then
-    return 0
-  end
-  return math.min(2147483647, math.floor(n))
-end
-
-local clock = redis.call('TIME')
-local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+--- @include "count_of"
+--- @include "server_clock"
 
 local found = {}
-for _, job_id in ipairs(redis.call('ZRANGEBYSCORE', leases_key, '-inf', now_ms, 'LIMIT', 0, limit)) do
+for _, job_id in ipairs(redis.call('ZRANGEBYSCORE', leases_key, '-inf', now_ms(), 'LIMIT', 0, limit)) do
   local job = redis.call('HMGET', job_prefix .. job_id, 'state', 'attempts', 'started', 'gen')
   if job[1] == 'running' and job[2] and job[3] == job[2] then
     found[#found + 1] = job_id
     found[#found + 1] = job[2]
-    found[#found + 1] = gen_of(job[4])
+    found[#found + 1] = count_of(job[4], 0)
   end
 end
 return found

@@ -17,12 +17,14 @@
 ]]
 local job_prefix = KEYS[1]
 
+--- @include "fence"
+
 local results = {}
 for i = 1, #ARGV, 3 do
   local job_id = ARGV[i]
   local job_key = job_prefix .. job_id
   local job = redis.call('HMGET', job_key, 'state', 'attempts', 'gen')
-  if job[1] == 'running' and job[2] == ARGV[i + 1] and (job[3] or '0') == ARGV[i + 2] then
+  if holds(job, ARGV[i + 1], ARGV[i + 2]) then
     redis.call('HSET', job_key, 'started', ARGV[i + 1])
     results[#results + 1] = 1
   else

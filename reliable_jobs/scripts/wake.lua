@@ -13,8 +13,6 @@
 ]]
 local wake_key = KEYS[1]
 
-if redis.call('LLEN', wake_key) == 0 then
-  redis.call('RPUSH', wake_key, '1')
-  return 1
-end
-return 0
+--- @include "wake_marker"
+
+return push_wake_marker(wake_key)

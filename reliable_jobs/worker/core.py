@@ -38,12 +38,12 @@ from django.utils import timezone
 
 from .. import mirror
 from ..broker import REDIS_ERRORS, ClaimedJob
-from ..checks import mask_password
 from ..exceptions import AttemptsExhausted, class_path
 from ..faults import crash_point
 from ..handoff import JobBuffer
 from ..mirror import AttemptRecord
 from ..models import AttemptOutcome, JobState
+from ..redaction import mask_password
 from ..sweep import Sweep
 from ..tasks import discover
 from .backoff import Backoff, Outage

@@ -9,8 +9,8 @@ from django.utils import timezone
 
 from reliable_jobs import dashboard
 from reliable_jobs.compat import DEFAULT_TASK_BACKEND_ALIAS
-from reliable_jobs.conf import mask_password
 from reliable_jobs.management.commands.runworker import get_backend
+from reliable_jobs.redaction import mask_password
 
 #: Minutes listed one by one (newest last); the hour's totals cover the rest.
 RECENT_MINUTES = 10

@@ -8,12 +8,12 @@ import time
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
-from django.db import DatabaseError, connections
+from django.db import DatabaseError
 
 from reliable_jobs.broker import REDIS_ERRORS
 from reliable_jobs.compat import DEFAULT_TASK_BACKEND_ALIAS
 from reliable_jobs.management.commands.runworker import configure_logging, get_backend
-from reliable_jobs.sweep import Sweep
+from reliable_jobs.sweep import Sweep, SweepReport
 
 
 class Command(BaseCommand):
@@ -49,29 +49,25 @@ class Command(BaseCommand):
         if interval is not None and interval <= 0:
             raise CommandError("--interval must be a positive number of seconds.")
         sweep = Sweep(backend)
-        stop = threading.Event()
-        # SIGTERM or Ctrl-C ends the loop after the pass under way: every step
-        # is atomic, so stopping between passes leaves nothing half done.
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, lambda *_: stop.set())
-        while not stop.is_set():
+
+        def report_pass(report: SweepReport, took_ms: float) -> None:
+            if options["verbosity"] >= 1:
+                queues = ", ".join(sweep.queues)
+                self.stdout.write(f"Sweep of {queues}: {report} ({took_ms:.0f} ms).")
+
+        if interval is None:
             started = time.monotonic()
             try:
                 report = sweep.run_once()
             except (*REDIS_ERRORS, DatabaseError) as exc:  # type: ignore[misc]  # mypy cannot unpack a tuple[type, ...]
-                # Looping, a pass that cannot reach a server is simply retried
-                # at the next one: every step is safe to repeat.
-                if interval is None:
-                    raise CommandError(f"The sweep could not finish its pass: {exc}") from exc
-                self.stderr.write(f"Sweep pass failed ({exc}); retrying in {interval} s.")
-                connections[backend.config.DATABASE].close()
-                stop.wait(interval)
-                continue
-            if options["verbosity"] >= 1:
-                self.stdout.write(
-                    f"Sweep of {', '.join(sweep.queues)}: {report} "
-                    f"({(time.monotonic() - started) * 1000:.0f} ms)."
-                )
-            if interval is None:
-                return
-            stop.wait(max(0.0, interval - (time.monotonic() - started)))
+                raise CommandError(f"The sweep could not finish its pass: {exc}") from exc
+            report_pass(report, (time.monotonic() - started) * 1000)
+            return
+        stop = threading.Event()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: stop.set())
+        sweep.run_every(
+            interval, stop, on_pass=report_pass,
+            on_failure=lambda exc: self.stderr.write(
+                f"Sweep pass failed ({exc}); retrying in {interval} s."),
+        )

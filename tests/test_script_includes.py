@@ -1,0 +1,75 @@
+"""The Lua include mechanism: shared helpers spliced into each script at load.
+
+Each operation stays one script with one SHA; these tests pin that the
+splice happens, that a mistake in it is a clear error, and that every shared
+helper is in use (an unused include is dead code that still looks shared).
+"""
+
+from __future__ import annotations
+
+import re
+from importlib import resources
+
+import pytest
+import redis
+
+from reliable_jobs import scripts
+
+from .conftest import REDIS_URL
+
+INCLUDE_NAMES = sorted(
+    path.name.removesuffix(".lua")
+    for path in resources.files(scripts).joinpath("include").iterdir()
+    if path.name.endswith(".lua")
+)
+
+
+def test_every_script_loads_with_its_includes_spliced_in() -> None:
+    # Given every script the package ships
+    for name in scripts.SCRIPT_NAMES:
+        # When its source is read
+        text = scripts.source(name)
+        # Then no include line is left, and its own header still opens it
+        assert "--- @include" not in text, name
+        assert text.startswith(f"--[[\n  {name}:"), name
+
+
+def test_every_include_is_used_by_some_script() -> None:
+    raw = {
+        name: resources.files(scripts).joinpath(f"{name}.lua").read_text(encoding="utf-8")
+        for name in scripts.SCRIPT_NAMES
+    }
+    for helper in INCLUDE_NAMES:
+        users = [name for name, text in raw.items() if f'--- @include "{helper}"' in text]
+        assert users, f"include/{helper}.lua is spliced into no script"
+
+
+def test_spliced_scripts_compile_on_a_real_server() -> None:
+    # Given a real server, when each spliced script is loaded, then it compiles
+    # (SCRIPT LOAD parses the Lua without running it).
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        for name in scripts.SCRIPT_NAMES:
+            sha = client.script_load(scripts.source(name))
+            assert re.fullmatch(r"[0-9a-f]{40}", sha), name
+    finally:
+        client.close()
+
+
+def test_an_unknown_include_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="no Lua include named 'nope'"):
+        scripts._splice_includes("demo", '--- @include "nope"\n')
+
+
+def test_a_script_may_not_include_a_helper_twice() -> None:
+    text = '--- @include "fence"\n--- @include "fence"\n'
+    with pytest.raises(ValueError, match="includes 'fence' twice"):
+        scripts._splice_includes("demo", text)
+
+
+def test_the_include_line_is_replaced_by_the_helper_text() -> None:
+    text = 'local a = 1\n--- @include "server_clock"\nreturn a\n'
+    spliced = scripts._splice_includes("demo", text)
+    assert spliced.startswith("local a = 1\n")
+    assert "local function now_ms()" in spliced
+    assert spliced.endswith("\nreturn a\n")
