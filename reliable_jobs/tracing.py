@@ -50,8 +50,10 @@ def available() -> bool:
 class TracingHook(telemetry.Hook):
     """Makes the enqueue and attempt spans, and carries the context between them."""
 
-    def __init__(self) -> None:
+    def __init__(self, provider: trace.TracerProvider | None = None) -> None:
+        """Use ``provider``, or by default the global one (as configured at each event)."""
         self.propagator = TraceContextTextMapPropagator()
+        self._fixed = provider
         self._provider: object = None
         self._tracer: trace.Tracer | None = None
 
@@ -64,11 +66,11 @@ class TracingHook(telemetry.Hook):
         The provider may be set after start-up (in ``wsgi.py``), so it is
         looked up on each event, and the tracer only when it changed.
         """
-        provider = trace.get_tracer_provider()
+        provider = self._fixed or trace.get_tracer_provider()
         if provider is not self._provider:
             self._provider = provider
             unset = isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider)
-            self._tracer = None if unset else trace.get_tracer("reliable_jobs", __version__)
+            self._tracer = None if unset else provider.get_tracer("reliable_jobs", __version__)
         return self._tracer
 
     def enqueue(self, queue: str, task: str, count: int) -> AbstractContextManager[str | None]:

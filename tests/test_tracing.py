@@ -28,34 +28,40 @@ pytestmark = [pytest.mark.django_db(transaction=True)]
 KEYS = QueueKeys("rj", "default")
 
 
-class Recorder(InMemorySpanExporter):
-    """Keeps spans only while a test of this module runs (the provider stays for good)."""
 
-    recording = False
-
-    def export(self, spans: Any) -> Any:
-        return super().export(spans if self.recording else [])
-
-
-#: One provider for the process: OpenTelemetry lets the global one be set once.
-EXPORTER = Recorder()
-_provider: list[TracerProvider] = []
+@pytest.fixture
+def exporter() -> InMemorySpanExporter:
+    return InMemorySpanExporter()
 
 
 @pytest.fixture
-def spans() -> Iterator[InMemorySpanExporter]:
-    """The spans finished during the test, with the hook making them into the SDK."""
-    if not _provider:
-        _provider.append(TracerProvider())
-        _provider[0].add_span_processor(SimpleSpanProcessor(EXPORTER))
-        trace.set_tracer_provider(_provider[0])
-    hook = telemetry.installed(tracing.TracingHook)
-    assert isinstance(hook, tracing.TracingHook), "the app installs the hook at start-up"
-    EXPORTER.clear()
-    EXPORTER.recording = True
-    yield EXPORTER
-    EXPORTER.recording = False
-    EXPORTER.clear()
+def provider(exporter: InMemorySpanExporter) -> Iterator[TracerProvider]:
+    """An SDK provider of the test's own, which the installed hook uses meanwhile.
+
+    Not the global provider: OpenTelemetry lets that be set once per
+    process, and every later test would then make spans and trace fields.
+    """
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    assert telemetry.installed(tracing.TracingHook), "the app installs the hook at start-up"
+    telemetry.uninstall(tracing.TracingHook)
+    telemetry.install(tracing.TracingHook(provider))
+    yield provider
+    telemetry.uninstall(tracing.TracingHook)
+    tracing.install()
+    provider.shutdown()
+
+
+@pytest.fixture
+def spans(provider: TracerProvider, exporter: InMemorySpanExporter) -> InMemorySpanExporter:
+    """The spans finished during the test, made by the hook through ``provider``."""
+    return exporter
+
+
+@pytest.fixture
+def tracer(provider: TracerProvider) -> trace.Tracer:
+    """A tracer for the test's own spans (the request around an enqueue)."""
+    return provider.get_tracer("test")
 
 
 def traceparent(span: Any) -> str:
@@ -73,11 +79,11 @@ def stored_payload(client: redis.Redis, job_id: str) -> dict[str, Any]:
 
 
 def test_a_job_span_is_a_child_of_the_request_that_enqueued_it(
-    rj_settings: Any, redis_client: redis.Redis, spans: InMemorySpanExporter
+    rj_settings: Any, redis_client: redis.Redis, spans: InMemorySpanExporter,
+    tracer: trace.Tracer,
 ) -> None:
     # Given: a request span in which a job that fails once then succeeds is enqueued
     rj_settings()
-    tracer = trace.get_tracer("test")
     with tracer.start_as_current_span("POST /orders") as request:
         result = demo.fail_times.enqueue("traced", 1)
     request_ctx = request.get_span_context()
@@ -107,13 +113,14 @@ def test_a_job_span_is_a_child_of_the_request_that_enqueued_it(
 
 
 def test_the_payload_carries_the_traceparent_of_the_enqueue_span(
-    rj_settings: Any, redis_client: redis.Redis, spans: InMemorySpanExporter
+    rj_settings: Any, redis_client: redis.Redis, spans: InMemorySpanExporter,
+    tracer: trace.Tracer,
 ) -> None:
     # Given
     rj_settings()
 
     # When: a job is enqueued under a span, and another with no span around it
-    with trace.get_tracer("test").start_as_current_span("request"):
+    with tracer.start_as_current_span("request"):
         traced = demo.add.enqueue(1, 2)
     plain_trace = stored_payload(redis_client, demo.add.enqueue(3, 4).id).get("trace")
 
