@@ -226,13 +226,20 @@ class QueueCollector:
 
 
 class _Exposed:
-    """This process's counters (or every process's, in multiprocess mode) and the gauges."""
+    """The counters and histograms, and the gauges.
+
+    The view shows every process's counters summed when the client library
+    runs in multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``), else its own
+    process's. A worker's port always shows its own process's: with one
+    port per process, a sum on each would count every job P times.
+    """
 
     def __init__(self, worker: Worker | None) -> None:
+        self.worker = worker
         self.gauges = QueueCollector(worker)
 
     def collect(self) -> Iterator[Any]:
-        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        if self.worker is None and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
             from prometheus_client import multiprocess
 
             registry = CollectorRegistry()

@@ -272,3 +272,29 @@ def test_without_either_library_the_hook_is_the_no_op(rj_settings: Any, tmp_path
 
     # Then: every call site calls the base class's empty methods
     assert out.strip().splitlines()[-1] == "reliable_jobs.telemetry Hook"
+
+
+@pytest.mark.slow
+def test_in_multiprocess_mode_the_view_sums_every_process(rj_settings: Any,
+                                                          tmp_path: Path) -> None:
+    # Given: the client library's multiprocess mode, as under gunicorn --workers
+    shared = tmp_path / "prometheus"
+    shared.mkdir()
+    env = {**rj_settings(), "DJANGO_SETTINGS_MODULE": "testproject.settings",
+           "PROMETHEUS_MULTIPROC_DIR": str(shared)}
+
+    def python(code: str) -> str:
+        return subprocess.run([sys.executable, "-c", "import django; django.setup()\n" + code],
+                              env=env, cwd=REPO, check=True, capture_output=True, text=True,
+                              timeout=60).stdout
+
+    # When: two processes enqueue a job each, and a third serves the view
+    for _ in range(2):
+        python("from testproject.demo import tasks\ntasks.add.enqueue(1, 2)")
+    text = python("from django.test import RequestFactory\nfrom reliable_jobs import metrics\n"
+                  "print(metrics.view(RequestFactory().get('/')).content.decode())")
+
+    # Then: it counts both processes' jobs, and reads the queue as usual
+    found = samples(text)
+    assert value(found, "reliable_jobs_jobs_enqueued_total", queue="default", task=ADD) == 2
+    assert value(found, "reliable_jobs_queue_jobs", queue="default", state="queued") == 2
