@@ -27,8 +27,10 @@ NOTHING: nullcontext[None] = nullcontext()
 class Hook:
     """Every event the queue reports; each method does nothing here.
 
-    ``queue`` is a physical queue (a shard) as the worker holds it, ``task``
-    the task's dotted path (``"?"`` when a payload could not be decoded).
+    ``queue`` is the queue an enqueue names, and elsewhere the physical
+    queue (a shard, see ``keys.logical_queue``) the worker or sweep holds;
+    ``task`` is the task's dotted path (``"?"`` when a payload could not be
+    decoded). Methods must not raise: they run on the worker's hot path.
     """
 
     def enqueue(self, queue: str, task: str, count: int) -> AbstractContextManager[str | None]:
