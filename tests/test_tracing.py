@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 import redis
+from django.db import connections
+from django.db.backends.signals import connection_created
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -70,8 +72,20 @@ def traceparent(span: Any) -> str:
 
 
 def drain_here() -> None:
-    """Run a burst worker in this process, so its spans reach the in-memory exporter."""
-    Worker(task_backends["default"], queues=["default"], burst=True).run()
+    """Run a burst worker in this process, so its spans reach the in-memory exporter.
+
+    A worker limits its database sessions (lock and statement timeouts) from
+    start-up on, for its whole process: those limits are taken back here, or
+    every later test's sessions would have them.
+    """
+    database = connections["default"]
+    options = dict(database.settings_dict.get("OPTIONS", {}))
+    try:
+        Worker(task_backends["default"], queues=["default"], burst=True).run()
+    finally:
+        connection_created.disconnect(dispatch_uid="reliable_jobs.worker.limits.default")
+        database.settings_dict["OPTIONS"] = options
+        database.close()
 
 
 def stored_payload(client: redis.Redis, job_id: str) -> dict[str, Any]:
