@@ -41,6 +41,7 @@ from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET
 
 from . import telemetry
+from .broker import REDIS_ERRORS
 from .keys import logical_queue
 from .models import JobState
 
@@ -201,7 +202,7 @@ class QueueCollector:
                 ages = health.queue_ages_s(backend, queues)
                 serving = health.workers_by_queue(backend)
                 beats = [] if self.worker else dashboard.workers(backend)
-            except Exception:  # any Redis failure: say so, and report nothing stale
+            except REDIS_ERRORS:  # say so, and report nothing stale
                 up.add_metric([backend.alias], 0)
                 continue
             up.add_metric([backend.alias], 1)
