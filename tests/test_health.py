@@ -62,6 +62,24 @@ def test_the_heartbeat_file_goes_stale_while_the_worker_is_stopped(
     assert processes.stop(worker) == 0
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("processes_flag", ["1", "2"])
+def test_an_unwritable_heartbeat_file_stops_the_worker_at_start(
+    processes_flag: str, rj_settings: Any, processes: Processes, tmp_path: Path
+) -> None:
+    # Given: a heartbeat file in a directory that does not exist
+    env = rj_settings()
+    path = tmp_path / "missing" / "alive"
+
+    # When: a worker (or a supervisor of two) is started with it
+    worker = processes.worker(env, "--heartbeat-file", str(path), "--processes", processes_flag)
+
+    # Then: it exits at once saying why, rather than running unwatched or restarting
+    assert worker.wait(timeout=60) == 1
+    assert f"Cannot write the heartbeat file '{path}' (No such file or directory)." in (
+        processes.log(worker))
+
+
 class Loop:
     """Stands for a worker: when its claim loop last went round."""
 

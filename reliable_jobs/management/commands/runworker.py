@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
@@ -152,6 +153,9 @@ class Command(BaseCommand):
                 raise CommandError("--metrics-port must leave room for one port per process "
                                    "below 65536.")
         if options["processes"] > 1:
+            if options["heartbeat_file"]:
+                # Here too: children failing on it would only be restarted, again and again.
+                self._check_writable(options["heartbeat_file"])
             supervisor = Supervisor(runworker_command_line(), processes=options["processes"],
                                     base_id=options["worker_id"] or default_worker_id(),
                                     metrics_port=port)
@@ -175,13 +179,9 @@ class Command(BaseCommand):
                                    f"({exc.strerror or exc}).") from None
         heartbeat = None
         if options["heartbeat_file"]:
+            self._check_writable(options["heartbeat_file"])
             heartbeat = HeartbeatFile(options["heartbeat_file"], worker)
-            try:
-                heartbeat.start()
-            except OSError as exc:
-                raise CommandError(f"Cannot write the heartbeat file "
-                                   f"{options['heartbeat_file']!r} ({exc.strerror or exc})."
-                                   ) from None
+            heartbeat.start()
         try:
             worker.run()
         finally:
@@ -194,3 +194,11 @@ class Command(BaseCommand):
             raise CommandError(f"Redis did not answer for {options['burst_give_up']:g} s; the "
                                "burst run gave up (its jobs stay queued). Check REDIS_URL and "
                                "that Redis is running.")
+
+    @staticmethod
+    def _check_writable(path: str) -> None:
+        try:
+            Path(path).touch()
+        except OSError as exc:
+            raise CommandError(f"Cannot write the heartbeat file {path!r} "
+                               f"({exc.strerror or exc}).") from None
