@@ -1,6 +1,7 @@
 """Keep ``bench/.venv`` installed with the frameworks the comparison runs.
 
-Celery, RQ and Dramatiq are what we measure against, never what we depend
+Celery, RQ, Dramatiq and the ``django.tasks`` backends (django-tasks-db,
+django-tasks-redis, django-tasks-rq) are what we measure against, never what we depend
 on, so they live in a virtual environment of their own beside this file
 (git-ignored), together with an editable install of this project so that
 every contender runs on the same interpreter and the same redis-py.
@@ -25,7 +26,9 @@ SNAPSHOTS = VENV / "snapshots"
 #: What ``pip install`` gets, besides ``-e ROOT[fast]``. Unpinned on purpose:
 #: the comparison is against each project's current release, and the versions
 #: actually installed are printed with every table.
-CONTENDERS = ("celery[redis]", "rq", "dramatiq[redis]", "redis", "hiredis")
+CONTENDERS = ("celery[redis]", "rq", "dramatiq[redis]", "redis", "hiredis",
+              # The django.tasks backends a Django user would pick instead.
+              "django-tasks-db", "django-tasks-redis", "django-tasks-rq")
 #: Written after a successful install; holds a digest of what was asked for.
 STAMP = VENV / ".bench-installed"
 #: Seconds pip may take (a cold install downloads a few dozen wheels).

@@ -49,7 +49,8 @@ BIN = bench_env.VENV / "bin"
 MARKER_KEY = "bench-compare:owner"
 #: Distributions whose installed versions are printed with the table.
 REPORTED_DISTRIBUTIONS = ("reliable-jobs", "Django", "celery", "kombu", "billiard", "rq",
-                          "dramatiq", "redis", "hiredis", "psycopg")
+                          "dramatiq", "django-tasks-db", "django-tasks-redis", "django-tasks-rq",
+                          "django-tasks", "django-rq", "redis", "hiredis", "psycopg")
 #: Seconds a worker gets to stop after SIGTERM before its process group is killed.
 STOP_GRACE_S = 15.0
 
@@ -68,6 +69,9 @@ class Contender:
     exits_when_drained: bool
     #: True to start the worker in the project folder (``manage.py``), else in bench/.
     in_project: bool = False
+    #: Jobs at most unless ``--cap`` says otherwise: a contender that drains tens of jobs
+    #: a second would take the whole timeout on the default --jobs.
+    cap: int | None = None
 
 
 def manage(project: Path, *args: str) -> list[str]:
@@ -90,6 +94,12 @@ def rq_worker(url: str, project: Path) -> list[str]:
             "rq.worker.SimpleWorker", "--url", url, "default"]
 
 
+def djtasks_worker(kind: str, *command: str) -> Callable[[str, Path], list[str]]:
+    """A django.tasks backend's own worker command, in the bench's small Django project."""
+    return lambda url, project: [str(BIN / "python"), str(BENCH / "djtasks_manage.py"), kind,
+                                 *command]
+
+
 def runworker(*options: str) -> Callable[[str, Path], list[str]]:
     return lambda url, project: manage(project, "runworker", "--burst", *options, "-v", "0")
 
@@ -108,7 +118,19 @@ CONTENDERS = (
               "dramatiq_noop", dramatiq_worker(8), False),
     Contender("dramatiq-t1", "Dramatiq `-p 1 -t 1`", "dramatiq", "dramatiq_noop",
               dramatiq_worker(1), False),
+    # The django.tasks backends a Django user would pick instead, each with its defaults
+    # and its own worker in its burst mode; enqueue is one .enqueue() per job (the API
+    # has no bulk call).
+    Contender("djtasks-db", "django-tasks-db `db_worker --batch`", "django-tasks-db",
+              "djtasks_db", djtasks_worker("db", "db_worker", "--batch"), True, cap=1_000),
+    Contender("djtasks-redis", "django-tasks-redis `run_redis_tasks`", "django-tasks-redis",
+              "djtasks_redis", djtasks_worker("redis", "run_redis_tasks"), True, cap=2_000),
+    Contender("djtasks-rq", "django-tasks-rq `rqworker --burst`", "django-tasks-rq",
+              "djtasks_rq", djtasks_worker("rq", "rqworker", "--job-class", "django_tasks_rq.Job",
+                                           "--burst", "default"), True, cap=500),
 )
+#: Contenders that are django.tasks backends (the other ratio line).
+DJANGO_TASKS = frozenset(c.key for c in CONTENDERS if c.key.startswith("djtasks-"))
 #: The contender every ratio is taken against.
 REFERENCE = "rj"
 
@@ -283,7 +305,8 @@ def with_database(url: str, name: str) -> str:
     return urlunsplit(parts._replace(path=f"/{name}"))
 
 
-def prepare_database(database_url: str, project: Path, env: dict[str, str]) -> str:
+def prepare_database(database_url: str, project: Path, env: dict[str, str], *,
+                     force_drop: bool = False, django_tasks_db: bool = False) -> str:
     """Create the bench database afresh and migrate it; return the server's version.
 
     Afresh because the code under test may be another commit than last time,
@@ -293,9 +316,9 @@ def prepare_database(database_url: str, project: Path, env: dict[str, str]) -> s
     from psycopg import sql
 
     name = urlsplit(database_url).path.lstrip("/")
-    if "bench" not in name:
+    if "bench" not in name and not force_drop:
         raise SystemExit(f"The database is dropped and created again: its name must contain "
-                         f"'bench' ({name!r} does not).")
+                         f"'bench' ({name!r} does not), or pass --force-drop-database.")
     with psycopg.connect(with_database(database_url, "postgres"), autocommit=True) as conn:
         version = str(conn.execute("SHOW server_version").fetchone()[0])  # type: ignore[index]
         conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
@@ -303,6 +326,9 @@ def prepare_database(database_url: str, project: Path, env: dict[str, str]) -> s
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
     subprocess.run(manage(project, "migrate", "--no-input", "-v", "0"), cwd=project, env=env,
                    check=True, timeout=300)
+    if django_tasks_db:
+        subprocess.run([str(BIN / "python"), str(BENCH / "djtasks_manage.py"), "db", "migrate",
+                        "--no-input", "-v", "0"], cwd=BENCH, env=env, check=True, timeout=300)
     return version
 
 
@@ -378,11 +404,12 @@ def table(results: Results, found: dict[str, str], contenders: list[Contender]) 
     return "\n".join(lines)
 
 
-def best_other(results: Results, pick: Callable[[Measurement], float]) -> str:
+def best_other(results: Results, pick: Callable[[Measurement], float],
+               among: Callable[[str], bool] = lambda key: not key.startswith("rj")) -> str:
     reference = results.measurements.get(REFERENCE)
     others = {key: statistics.median(map(pick, runs))
               for key, runs in results.measurements.items()
-              if runs and not key.startswith("rj")}
+              if runs and among(key)}
     if not reference or not others:
         return "n/a"
     key = max(others, key=others.__getitem__)
@@ -441,6 +468,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "(default: %(default)r).")
     parser.add_argument("--force-flush", action="store_true",
                         help="Flush the Redis database even if it holds keys of others.")
+    parser.add_argument("--force-drop-database", action="store_true",
+                        help="Drop and recreate --database-url even if its name lacks 'bench'.")
     parser.add_argument("--ref", default=None,
                         help="Measure this commit of reliable_jobs (unpacked under "
                              "bench/.venv/snapshots) instead of the working tree, e.g. HEAD.")
@@ -469,6 +498,7 @@ def environment(redis_url: str, database_url: str, project: Path) -> dict[str, s
     """What every child gets: both servers, the testproject, no inherited RJ_* tuning."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RJ_")}
     env.update(BENCH_REDIS_URL=redis_url, REDIS_URL=redis_url, DATABASE_URL=database_url,
+               BENCH_DATABASE_URL=database_url,
                DJANGO_SETTINGS_MODULE="testproject.settings", RJ_LOG_LEVEL="WARNING",
                PYTHONPATH=os.pathsep.join([str(BENCH), str(project)]))
     return env
@@ -514,10 +544,13 @@ def main(argv: list[str]) -> int:
     contenders = [c for c in CONTENDERS if not args.only or c.key in args.only]
     env = environment(args.redis_url, args.database_url, project)
     os.environ["BENCH_REDIS_URL"] = args.redis_url  # for the modules imported here
+    os.environ["BENCH_DATABASE_URL"] = args.database_url
     client = redis.Redis.from_url(args.redis_url)
     claim_redis_db(client, args.force_flush)
     redis_version = client.info("server")["redis_version"]
-    pg_version = prepare_database(args.database_url, project, env)
+    pg_version = prepare_database(
+        args.database_url, project, env, force_drop=args.force_drop_database,
+        django_tasks_db=any(c.key == "djtasks-db" for c in contenders))
     found = versions()
     results = Results()
     loads = [os.getloadavg()]
@@ -528,7 +561,7 @@ def main(argv: list[str]) -> int:
                       Path(logs), client, env)
         for run in range(1, args.runs + 1):
             for contender in contenders:
-                jobs = args.caps.get(contender.key, args.jobs)
+                jobs = args.caps.get(contender.key, min(args.jobs, contender.cap or args.jobs))
                 try:
                     measured = bench.measure(contender, jobs, run)
                 except (BenchError, subprocess.TimeoutExpired) as exc:
@@ -558,14 +591,20 @@ def main(argv: list[str]) -> int:
     print("\nreliable_jobs drain (worker start to empty): "
           + best_other(results, lambda m: m.drain))
     print("reliable_jobs drain (first ack to empty): " + best_other(results, lambda m: m.steady))
+    print("reliable_jobs drain vs the django.tasks backends (worker start to empty): "
+          + best_other(results, lambda m: m.drain, DJANGO_TASKS.__contains__))
+    print("reliable_jobs drain vs the django.tasks backends (first ack to empty): "
+          + best_other(results, lambda m: m.steady, DJANGO_TASKS.__contains__))
     lags = [f"{c.key} {statistics.median(m.exit_lag_s for m in runs) * 1000:,.0f} ms"
             for c in contenders if c.exits_when_drained
             and (runs := results.measurements.get(c.key))]
     if lags:
         print("Burst workers exited this long (median) after their queue was seen empty; "
               "that shutdown is inside both drain figures: " + ", ".join(lags) + ".")
-    if args.caps:
-        print("Capped: " + ", ".join(f"{k} at {n:,} jobs" for k, n in args.caps.items()))
+    caps = {c.key: args.caps.get(c.key, min(args.jobs, c.cap or args.jobs))
+            for c in contenders}
+    if capped := {k: n for k, n in caps.items() if n != args.jobs}:
+        print("Capped: " + ", ".join(f"{k} at {n:,} jobs" for k, n in capped.items()))
     if benchjobs:
         print(f"\n`manage.py benchjobs --jobs {args.jobs} --singles {args.benchjobs_singles} "
               f"--runs {args.runs} --prefetch 200` (in-process worker, same servers):\n")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from datetime import datetime
+from functools import partial
 from typing import Any
 
 from django.contrib import admin, messages
@@ -29,7 +30,7 @@ from django.utils.html import format_html
 from django.utils.safestring import SafeString
 from django.utils.translation import gettext_lazy as _
 
-from . import changelist, dashboard, staff
+from . import changelist, dashboard, staff, taskpage
 from .broker import REDIS_ERRORS
 from .compat import admin_action
 from .models import Attempt, Job
@@ -253,12 +254,13 @@ class JobAdmin(ReadOnlyMixin, admin.ModelAdmin):  # type: ignore[type-arg]  # as
         self._act(request, queryset, staff.retry,
                   _("%(n)s dead jobs are queued again, each with a fresh attempt budget."))
 
-    @admin_action(description=_("Cancel (queued or scheduled jobs that have not started)"),
-                  description_plural=_("Cancel selected jobs that have not started"),
+    @admin_action(description=_("Cancel (a waiting job never runs, a running one is stopped)"),
+                  description_plural=_("Cancel selected unfinished jobs"),
                   permissions=["cancel"])
     def cancel_jobs(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
         self._act(request, queryset, staff.cancel,
-                  _("Cancelled %(n)s jobs that had not started: they will not run."))
+                  _("Cancelled %(n)s jobs: those waiting will not run, those running are "
+                    "being stopped."))
 
     @admin_action(description=_("Requeue (run a scheduled job now, or a cancelled one again)"),
                   description_plural=_("Requeue selected scheduled or cancelled jobs"),
@@ -313,9 +315,13 @@ class JobAdmin(ReadOnlyMixin, admin.ModelAdmin):  # type: ignore[type-arg]  # as
     def get_urls(self) -> list[URLPattern]:
         view = self.admin_site.admin_view(self.dashboard_view)
         name = f"{self.opts.app_label}_{self.opts.model_name}_dashboard"
+        tasks_view = self.admin_site.admin_view(partial(taskpage.task_stats_view, self))
+        tasks_name = f"{self.opts.app_label}_{self.opts.model_name}_task_stats"
         return [
             path("dashboard/", view, name=name),
             path("dashboard/<str:alias>/", view, name=name),
+            path("tasks/", tasks_view, name=tasks_name),
+            path("tasks/<str:alias>/", tasks_view, name=tasks_name),
             *super().get_urls(),
         ]
 
@@ -343,6 +349,8 @@ class JobAdmin(ReadOnlyMixin, admin.ModelAdmin):  # type: ignore[type-arg]  # as
             "peak": peak,
             "changelist_url": changelist_url,
             "drift_url": f"{changelist_url}?drift={alias}",
+            "taskstats_url": reverse(f"{self.admin_site.name}:{self.opts.app_label}_"
+                                     f"{self.opts.model_name}_task_stats", args=[alias]),
             "prefix": backend.config.PREFIX,
         }
         return TemplateResponse(request, "admin/reliable_jobs/job/dashboard.html", context)
@@ -352,3 +360,7 @@ class JobAdmin(ReadOnlyMixin, admin.ModelAdmin):  # type: ignore[type-arg]  # as
         aliases = changelist.reliable_backends()
         return super().changelist_view(request, {**(extra_context or {}),
                                                  "rj_dashboards": aliases})
+
+
+# Periodic jobs have their own module; importing it registers their admin.
+from . import schedule_admin  # noqa: E402, F401

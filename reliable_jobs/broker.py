@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from enum import IntEnum
 from typing import Any
 
 import redis
@@ -45,6 +46,10 @@ WORKER_INDEX_KEEP_MS = 3_600_000
 #: the cluster client's own errors are not RedisErrors.
 REDIS_ERRORS: tuple[type[Exception], ...] = (redis.RedisError, RedisClusterException)
 
+#: Ids latency.lua reads at most from a queue's oldest end, past cancelled
+#: tombstones and stray copies, to find the oldest job that will run.
+LATENCY_LOOK = 20
+
 #: Retries of a call on a Redis Cluster after a connection error or timeout.
 CLUSTER_RETRIES = 1
 
@@ -59,6 +64,26 @@ TOMBSTONE_MS = 3_600_000
 #: counts claims; the generation counts rebuilds from the mirror, so a token
 #: handed out before Redis lost a job never matches one handed out after.
 Fence = tuple[str, int, int]
+
+
+class Applied(IntEnum):
+    """What a fenced script did with one token: its per-group reply.
+
+    An int, so code that only asks "was it held?" can treat it as a bool.
+    """
+
+    #: The token is no longer current: nothing was done.
+    REFUSED = 0
+    #: Done as asked (started, renewed, acked, nacked, released).
+    DONE = 1
+    #: The job is marked for cancellation (cancel.lua): extend renewed it
+    #: and says so; start did not mark it; ack, nack and release finished
+    #: it as cancelled instead.
+    CANCELLED = 2
+
+
+def _applied(replies: Sequence[Any]) -> list[Applied]:
+    return [Applied(int(r)) for r in replies]
 
 
 def epoch_ms(moment: datetime | None) -> int:
@@ -111,8 +136,8 @@ class ClaimResult:
 class RecoveredJob:
     id: str
     attempts: int
-    #: 'settled', 'expired', 'unstarted', 'dead', 'orphan', 'garbage' or
-    #: 'dropped'; see recover.lua.
+    #: 'settled', 'cancelled', 'expired', 'unstarted', 'dead', 'orphan',
+    #: 'garbage' or 'dropped'; see recover.lua.
     kind: str
     #: The job's budget after recovery (an unstarted claim is refunded).
     max_attempts: int = field(default=0, compare=False)
@@ -126,7 +151,7 @@ class Settlement:
     id: str
     attempt: int
     gen: int
-    #: 'succeeded' or 'dead'.
+    #: 'succeeded', 'dead' or 'cancelled'.
     final: str
     error: str = ""
 
@@ -135,6 +160,24 @@ class Settlement:
 class RecoverResult:
     outcomes: list[RecoveredJob]
     stamped: int
+
+
+@dataclass(frozen=True, slots=True)
+class Latency:
+    """How long one physical queue's oldest jobs have waited (see latency.lua).
+
+    Ages are in ms on the Redis server's clock, None when there is no such
+    job: an empty queue, or nothing scheduled that is due.
+    """
+
+    queue: str
+    queued: int
+    #: Age of the oldest job ready to run (queued), from when it became ready.
+    oldest_ready_ms: int | None
+    #: How long the oldest scheduled job that is due has waited for promotion.
+    oldest_due_ms: int | None
+    oldest_ready_id: str = ""
+    oldest_due_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -327,54 +370,61 @@ class Broker:
         self._wake(queue, int(remaining))  # work left behind: wake the next idle worker
         return ClaimResult(jobs, dead, list(garbage), int(remaining))
 
-    def start(self, queue: str, held: Sequence[Fence]) -> list[bool]:
-        """Mark held attempts as started; False where the attempt is no longer held."""
+    def start(self, queue: str, held: Sequence[Fence]) -> list[Applied]:
+        """Mark held attempts as started: DONE (run it), CANCELLED (do not run it,
+        ack it) or REFUSED (no longer held)."""
         if not held:
             return []
         k = self.keys(queue)
         args = [x for fence in held for x in fence]
-        return [bool(r) for r in self._run("start", (k.job_prefix,), args)]
+        return _applied(self._run("start", (k.job_prefix,), args))
 
-    def ack(self, queue: str, held: Sequence[Fence]) -> list[bool]:
-        """Finish succeeded jobs; False where the attempt is no longer held."""
+    def ack(self, queue: str, held: Sequence[Fence]) -> list[Applied]:
+        """Finish jobs: DONE, CANCELLED (marked while it ran, finished as cancelled)
+        or REFUSED (the attempt is no longer held)."""
         if not held:
             return []
         k = self.keys(queue)
         args: list[Any] = [TOMBSTONE_MS]
         args += [x for fence in held for x in fence]
-        return [bool(r) for r in self._run("ack", (k.processing, k.leases, k.job_prefix), args)]
+        return _applied(self._run("ack", (k.processing, k.leases, k.job_prefix), args))
 
-    def nack(self, queue: str, failed: Sequence[tuple[str, int, int, int, str]]) -> list[bool]:
-        """Apply (id, attempt, gen, delay_ms or -1 for dead, error) decisions, fenced."""
+    def nack(self, queue: str, failed: Sequence[tuple[str, int, int, int, str]]
+             ) -> list[Applied]:
+        """Apply (id, attempt, gen, delay_ms or -1 for dead, error) decisions, fenced;
+        a job marked for cancellation is finished as cancelled instead (CANCELLED)."""
         if not failed:
             return []
         k = self.keys(queue)
         args = [x for entry in failed for x in entry]
         keys = (k.queued, k.processing, k.leases, k.scheduled, k.dead, k.wake, k.job_prefix)
-        applied = [bool(r) for r in self._run("nack", keys, args)]
-        self._wake(queue, any(ok and entry[3] == 0 for ok, entry in zip(applied, failed,
-                                                                            strict=True)))
+        applied = _applied(self._run("nack", keys, args))
+        self._wake(queue, any(ok == Applied.DONE and entry[3] == 0
+                              for ok, entry in zip(applied, failed, strict=True)))
         return applied
 
-    def extend(self, queue: str, held: Sequence[Fence], *, lease_ms: int) -> list[bool]:
-        """Renew leases of held attempts; False where the attempt was lost."""
+    def extend(self, queue: str, held: Sequence[Fence], *, lease_ms: int) -> list[Applied]:
+        """Renew leases of held attempts: DONE, CANCELLED (renewed, and the job is
+        to be cancelled: stop its task) or REFUSED (the attempt was lost)."""
         if not held:
             return []
         k = self.keys(queue)
         args: list[Any] = [lease_ms]
         args += [x for fence in held for x in fence]
-        return [bool(r) for r in self._run("extend", (k.leases, k.job_prefix), args)]
+        return _applied(self._run("extend", (k.leases, k.job_prefix), args))
 
-    def release(self, queue: str, held: Sequence[tuple[str, int, int, bool]]) -> list[bool]:
-        """Put (id, attempt, gen, started) back on queued at once (graceful stop)."""
+    def release(self, queue: str, held: Sequence[tuple[str, int, int, bool]]
+                ) -> list[Applied]:
+        """Put (id, attempt, gen, started) back on queued at once (graceful stop);
+        a job marked for cancellation is finished as cancelled instead (CANCELLED)."""
         if not held:
             return []
         k = self.keys(queue)
         args = [x for job_id, attempt, gen, started in held
                 for x in (job_id, attempt, gen, int(started))]
         keys = (k.queued, k.processing, k.leases, k.wake, k.job_prefix)
-        released = [bool(r) for r in self._run("release", keys, args)]
-        self._wake(queue, any(released))
+        released = _applied(self._run("release", keys, args))
+        self._wake(queue, Applied.DONE in released)
         return released
 
     # -- the sweep -------------------------------------------------------
@@ -438,7 +488,8 @@ class Broker:
     # -- staff actions ---------------------------------------------------
 
     def cancel(self, queue: str, job_id: str) -> tuple[bool, str]:
-        """Cancel a job that has not started; returns (cancelled, state found)."""
+        """Cancel a job: a waiting one is taken off, a running one is marked for
+        cancellation (its holder stops it); returns (done, state found)."""
         k = self.keys(queue)
         cancelled, state = self._run("cancel", (k.queued, k.scheduled, k.job_prefix),
                                      (job_id, TOMBSTONE_MS))
@@ -463,6 +514,23 @@ class Broker:
             pipe.zcard(k.dead)
             queued, running, scheduled, dead = pipe.execute()
         return QueueCounts(queued, running, scheduled, dead)
+
+    def latency(self, queue: str, *, look: int = LATENCY_LOOK) -> Latency:
+        """The age of ``queue``'s oldest ready job and oldest due scheduled job.
+
+        One read-only script call: O(``look``) at the queued list's oldest
+        end and O(log n) on the scheduled set, whatever their length.
+        """
+        k = self.keys(queue)
+        now_ms, queued, ready_id, ready_ms, due_id, due_ms = self._run(
+            "latency", (k.queued, k.scheduled, k.job_prefix), (look,))
+        ready_ms, due_ms, now_ms = int(ready_ms), int(due_ms), int(now_ms)
+        return Latency(
+            queue, int(queued),
+            oldest_ready_ms=max(0, now_ms - ready_ms) if ready_id and ready_ms else None,
+            oldest_due_ms=max(0, now_ms - due_ms) if due_id else None,
+            oldest_ready_id=ready_id, oldest_due_id=due_id,
+        )
 
     def lease_count(self, queue: str) -> int:
         """Leases ``queue`` holds: 0 only once every claimed job was acked or recovered."""

@@ -9,11 +9,16 @@ enqueue failing in production. Ids:
   lease, E008 DATABASE alias unknown, E009 app not in INSTALLED_APPS.
 - E010 a bad OPTIONS['SHARDS'] entry (not 1 to 1024 shards, or a queue not
   in QUEUES).
+- E011 a bad OPTIONS['SCHEDULE'] entry (cron expression, interval, time
+  zone, policy, arguments); E012 a schedule naming a task no worker runs,
+  or a queue the backend does not serve; E013 a schedule name declared twice
+  differently.
 - W001 Redis does not answer (a warning: it may start after the web app).
 - W003 Redis may evict keys (maxmemory-policy is not noeviction); a
   deployment check (``check --deploy``).
 - W002 REDIS_URL not set (absent, None or empty: usually an environment
   variable that is missing), so the default URL is used.
+- E014 settings.RELIABLE_JOBS_LOG_FORMAT is neither "text" nor "json".
 - W020 the metrics view is mounted but prometheus_client is not installed
   (registered by ``metrics.py``).
 
@@ -59,6 +64,7 @@ def check_backend(backend: ReliableJobsBackend) -> list[checks.CheckMessage]:
             hint="Shard a queue the backend serves, or remove the entry.",
             id="reliable_jobs.E010",
         ))
+    messages += _check_schedules(where, backend)
     options = backend.options
     if isinstance(options, dict) and options.get("REDIS_URL") in (None, ""):
         messages.append(checks.Warning(
@@ -72,6 +78,57 @@ def check_backend(backend: ReliableJobsBackend) -> list[checks.CheckMessage]:
     if not any(m.id == "reliable_jobs.E002" for m in messages):
         messages += _check_reachable(where, backend.config.REDIS_URL)
     return messages
+
+
+def _check_schedules(where: str, backend: ReliableJobsBackend) -> list[checks.CheckMessage]:
+    """E012 and E013 (E011, a malformed entry, comes from conf.parse with the other options).
+
+    Imports every installed app's ``tasks`` module, as a worker does, so that
+    ``@periodic`` declarations are known.
+    """
+    if not apps_ready():
+        return []  # E009 says why; the scheduler's module would import the models
+    from .periodic.declared import clashes, decorated, from_options
+    from .periodic.scheduler import declarations
+    from .tasks import discover, lookup
+
+    discover()
+    messages: list[checks.CheckMessage] = []
+    for declaration in declarations(backend):
+        task = lookup(declaration.task_path)
+        queue = declaration.queue or (task.queue_name if task is not None else None)
+        if task is None:
+            messages.append(checks.Error(
+                f"{where}: schedule {declaration.name!r} names {declaration.task_path!r}, "
+                "which is not a task defined in an installed app's tasks module.",
+                hint="Point it at a task a worker runs (myapp/tasks.py), or remove the schedule.",
+                id="reliable_jobs.E012",
+            ))
+        elif queue not in backend.queues:
+            messages.append(checks.Error(
+                f"{where}: schedule {declaration.name!r} enqueues on queue {queue!r}, which "
+                "is not in QUEUES.",
+                hint="Add the queue to QUEUES, or set the schedule's queue.",
+                id="reliable_jobs.E012",
+            ))
+    from_settings, _ = from_options(backend.config.SCHEDULE, backend.alias)
+    in_code = {d.name: d for d in decorated(backend.alias)}
+    twice = {d.name for d in from_settings if d.name in in_code and in_code[d.name] != d}
+    twice |= {name for name, found in clashes().items()
+              if any(d.backend == backend.alias for d in found)}
+    for name in sorted(twice):
+        messages.append(checks.Error(
+            f"{where}: schedule {name!r} is declared more than once, differently.",
+            hint="Give each @periodic or OPTIONS['SCHEDULE'] entry a name of its own.",
+            id="reliable_jobs.E013",
+        ))
+    return messages
+
+
+def apps_ready() -> bool:
+    from django.apps import apps
+
+    return apps.ready and apps.is_installed("reliable_jobs")
 
 
 def _check_reachable(where: str, url: str) -> list[checks.CheckMessage]:
@@ -137,4 +194,22 @@ def _check_eviction(where: str, url: str) -> list[checks.CheckMessage]:
         hint="Set maxmemory-policy noeviction (CONFIG SET maxmemory-policy noeviction, and in "
              "redis.conf): a full Redis should refuse writes, never drop jobs.",
         id="reliable_jobs.W003",
+    )]
+
+
+@checks.register(checks.Tags.compatibility)
+def check_log_format(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """E014 unless RELIABLE_JOBS_LOG_FORMAT (runworker's default --log-format) is known."""
+    from django.conf import settings
+
+    from .logformat import LOG_FORMATS
+
+    value = getattr(settings, "RELIABLE_JOBS_LOG_FORMAT", "text")
+    if value in LOG_FORMATS:
+        return []
+    return [checks.Error(
+        f"settings.RELIABLE_JOBS_LOG_FORMAT is {value!r}; runworker prints 'text' or 'json' "
+        "lines.",
+        hint="Set it to 'json' for one JSON object per line, or remove it.",
+        id="reliable_jobs.E014",
     )]

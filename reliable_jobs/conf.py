@@ -60,6 +60,14 @@ class BackendOptions:
     #: Shards per queue, e.g. {"emails": 4}: each shard is a queue of its own
     #: (its own hash tag, so its own cluster slot); unlisted queues have one.
     SHARDS: dict[str, int] = field(default_factory=dict)
+    #: A queue whose oldest ready (or due scheduled) job has waited longer
+    #: than this, in milliseconds, is shown in the warning colour on the
+    #: dashboard and flagged by jobstats; None turns the warning off.
+    LATENCY_WARNING_MS: int | None = 60_000
+    #: Periodic jobs declared in settings: {name: {"task": path, "cron": "0 3 * * *",
+    #: "tz": ..., or "every_ms": ..., "args": [...], "kwargs": {...},
+    #: "catch_up": "all" | "last" | "none", "queue": ...}} (see periodic/declared.py).
+    SCHEDULE: dict[str, Any] = field(default_factory=dict)
     #: What parse() found wrong, as (check id, message) pairs.
     problems: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
@@ -84,8 +92,9 @@ _MINIMUMS = {
     "SWEEP_INTERVAL_MS": 10,
     "RECONCILE_GRACE_MS": 0,
     "MAX_PAYLOAD_BYTES": 64,
+    "LATENCY_WARNING_MS": 1,
 }
-_OPTIONAL = {"TIMEOUT_MS", "RENEW_INTERVAL_MS", "PREFETCH"}
+_OPTIONAL = {"TIMEOUT_MS", "RENEW_INTERVAL_MS", "PREFETCH", "LATENCY_WARNING_MS"}
 
 
 def parse(raw: Any) -> BackendOptions:
@@ -146,6 +155,13 @@ def parse(raw: Any) -> BackendOptions:
              f"shards from 1 to {MAX_SHARDS}, not {shards!r}.")
         )
         values.pop("SHARDS", None)
+    if "SCHEDULE" in values:
+        from .periodic.declared import from_options
+
+        _, schedule_problems = from_options(values["SCHEDULE"], backend="")
+        problems += [("reliable_jobs.E011", message) for message in schedule_problems]
+        if not isinstance(values["SCHEDULE"], dict):
+            values.pop("SCHEDULE")
     if not isinstance(values.get("DATABASE", "default"), str):
         problems.append(("reliable_jobs.E003", "OPTIONS['DATABASE'] must be a database alias."))
         values.pop("DATABASE")

@@ -1,6 +1,8 @@
 """The numbers of the live dashboard and ``jobstats``: one backend at a time.
 
-Queue counts and workers come live from Redis (list lengths and heartbeats);
+Queue counts, latency (the age of each queue's oldest ready job and oldest
+due scheduled job, see scripts/latency.lua) and workers come live from Redis
+(list lengths, two bounded reads per shard, and heartbeats);
 throughput comes from the ``Attempt`` rows of the last hour; drift compares
 the two sides the way reconcile does. A sharded queue is one line: the sum
 of every shard a worker drains (see :func:`shards_of`), and each row is
@@ -15,7 +17,7 @@ dashboard is where staff look when something is down.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -26,7 +28,7 @@ from django.db.models.functions import TruncMinute
 from django.utils import timezone
 
 from .broker import REDIS_ERRORS
-from .keys import logical_queue, shard_queue
+from .keys import logical_queue, shard_index, shard_queue
 from .models import FAILED_OUTCOMES, UNFINISHED_STATES, Attempt, AttemptOutcome, Job, JobState
 
 if TYPE_CHECKING:
@@ -47,6 +49,33 @@ class QueueLine:
     running: int
     scheduled: int
     dead: int
+    #: Age of the oldest job ready to run, in ms (the largest over the
+    #: shards); None when nothing is queued.
+    oldest_ready_ms: int | None = field(default=None, compare=False)
+    #: How long the oldest due scheduled job has waited for promotion, in ms.
+    oldest_due_ms: int | None = field(default=None, compare=False)
+    #: Each age is past OPTIONS['LATENCY_WARNING_MS'].
+    ready_late: bool = field(default=False, compare=False)
+    due_late: bool = field(default=False, compare=False)
+    #: One line per shard of a sharded queue (empty for an unsharded one).
+    shards: tuple[QueueLine, ...] = field(default=(), compare=False)
+
+    @property
+    def shard(self) -> int:
+        """The shard number, when this line is one shard of a queue (0 otherwise)."""
+        return shard_index(self.name)
+
+    @property
+    def late(self) -> bool:
+        return self.ready_late or self.due_late
+
+    @property
+    def oldest_ready(self) -> str:
+        return human_ms(self.oldest_ready_ms)
+
+    @property
+    def oldest_due(self) -> str:
+        return human_ms(self.oldest_due_ms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +127,8 @@ class Snapshot:
     """Everything the dashboard shows for one backend."""
 
     backend: str
+    #: OPTIONS['LATENCY_WARNING_MS'] of the backend (None: no warning).
+    latency_warning_ms: int | None = None
     queues: list[QueueLine] = field(default_factory=list)
     workers: list[WorkerLine] = field(default_factory=list)
     minutes: list[Minute] = field(default_factory=list)
@@ -107,8 +138,11 @@ class Snapshot:
 
     @property
     def totals(self) -> QueueLine:
-        return QueueLine("all", *(sum(getattr(q, f) for q in self.queues)
-                                  for f in ("queued", "running", "scheduled", "dead")))
+        return combined("all", self.queues)
+
+    @property
+    def late_queues(self) -> list[QueueLine]:
+        return [q for q in self.queues if q.late]
 
     @property
     def succeeded_last_hour(self) -> int:
@@ -121,13 +155,13 @@ class Snapshot:
 
 def snapshot(backend: ReliableJobsBackend, *, now: datetime | None = None) -> Snapshot:
     """Collect every part, noting (not raising) a server that does not answer."""
-    snap = Snapshot(backend.alias)
+    snap = Snapshot(backend.alias, latency_warning_ms=backend.config.LATENCY_WARNING_MS)
     try:
         snap.queues = queue_counts(backend)
         snap.workers = workers(backend)
     except REDIS_ERRORS as exc:
-        snap.problems.append(f"Redis did not answer ({exc}): queue counts and workers are "
-                             "unknown.")
+        snap.problems.append(f"Redis did not answer ({exc}): queue counts, latency and "
+                             "workers are unknown.")
     try:
         snap.minutes = throughput(backend, now=now)
     except DatabaseError as exc:
@@ -158,13 +192,64 @@ def shards_of(backend: ReliableJobsBackend) -> dict[str, list[str]]:
 
 
 def queue_counts(backend: ReliableJobsBackend) -> list[QueueLine]:
-    """Live list and set sizes of each configured queue, summed over its shards."""
+    """Live list and set sizes and latency of each configured queue, over its shards.
+
+    Counts are summed over the shards and ages are the oldest of any shard;
+    a sharded queue also gets a line per shard. Two bounded Redis calls per
+    shard (see ``Broker.counts`` and ``Broker.latency``).
+    """
+    warn_ms = backend.config.LATENCY_WARNING_MS
     lines = []
     for queue, physical in shards_of(backend).items():
-        counts = [backend.broker.counts(shard) for shard in physical]
-        lines.append(QueueLine(queue, *(sum(getattr(c, f) for c in counts)
-                                        for f in ("queued", "running", "scheduled", "dead"))))
+        shards = []
+        for shard in physical:
+            c = backend.broker.counts(shard)
+            lat = backend.broker.latency(shard)
+            shards.append(QueueLine(shard, c.queued, c.running, c.scheduled, c.dead,
+                                    oldest_ready_ms=lat.oldest_ready_ms,
+                                    oldest_due_ms=lat.oldest_due_ms,
+                                    ready_late=is_late(warn_ms, lat.oldest_ready_ms),
+                                    due_late=is_late(warn_ms, lat.oldest_due_ms)))
+        lines.append(combined(queue, shards, keep_parts=len(shards) > 1))
     return lines
+
+
+def combined(name: str, parts: Sequence[QueueLine], *, keep_parts: bool = False) -> QueueLine:
+    """One line for several: counts summed, ages the oldest, late if any part is."""
+    return QueueLine(
+        name, queued=sum(p.queued for p in parts), running=sum(p.running for p in parts),
+        scheduled=sum(p.scheduled for p in parts), dead=sum(p.dead for p in parts),
+        oldest_ready_ms=_oldest(p.oldest_ready_ms for p in parts),
+        oldest_due_ms=_oldest(p.oldest_due_ms for p in parts),
+        ready_late=any(p.ready_late for p in parts), due_late=any(p.due_late for p in parts),
+        shards=tuple(parts) if keep_parts else (),
+    )
+
+
+def is_late(warn_ms: int | None, age_ms: int | None) -> bool:
+    """True when an age is past the warning threshold (never without one)."""
+    return warn_ms is not None and age_ms is not None and age_ms > warn_ms
+
+
+def human_ms(ms: int | None) -> str:
+    """A short age: "-" for none, "850 ms", "12.3 s", "4 min 5 s", "2 h 3 min", "3 d 4 h"."""
+    if ms is None:
+        return "-"
+    if ms < 1000:
+        return f"{ms} ms"
+    if ms < 60_000:
+        return f"{ms / 1000:.1f} s"
+    minutes, seconds = divmod(ms // 1000, 60)
+    if minutes < 60:
+        return f"{minutes} min {seconds} s"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 48:
+        return f"{hours} h {minutes} min"
+    return f"{hours // 24} d {hours % 24} h"
+
+
+def _oldest(ages: Iterable[int | None]) -> int | None:
+    return max((age for age in ages if age is not None), default=None)
 
 
 def workers(backend: ReliableJobsBackend) -> list[WorkerLine]:

@@ -52,6 +52,17 @@ class JobTimeout(Exception):
     """Recorded for an attempt that ran past its task's ``timeout_ms``."""
 
 
+class JobCancelled(Exception):
+    """The job was cancelled (by staff or ``backend.cancel()``) while it ran.
+
+    ``context.raise_if_cancelled()`` raises it in a task that takes its
+    context, at the checkpoint the task chooses; it is also the class
+    recorded for every cancelled attempt. Whatever a cancelled attempt does
+    afterwards (raise this, raise anything else, or return), the job ends
+    ``cancelled`` and is never retried.
+    """
+
+
 class AttemptsExhausted(Exception):
     """Recorded for a job claimed ``max_attempts`` times without ever finishing.
 

@@ -34,6 +34,7 @@ POINTS = (
     "finisher_bug",    # the finisher thread raises (a bug), see raise_point()
     "reconcile_after_push",  # reconcile pushed rebuilt jobs, its transaction not committed
     "in_mirror_transaction",  # attempts written, jobs not yet, transaction open (stop_point)
+    "scheduler_decided",  # a schedule's due slots decided under its row lock, none enqueued yet
 )
 
 

@@ -12,7 +12,7 @@ import threading
 from collections import defaultdict, deque
 from typing import Any
 
-from .broker import REDIS_ERRORS, ClaimedJob
+from .broker import REDIS_ERRORS, Applied, ClaimedJob
 
 
 class JobBuffer:
@@ -84,8 +84,9 @@ class StartMarks:
         self._pending: list[list[Any]] = []
         self._flushing = False
 
-    def mark(self, jobs: list[ClaimedJob]) -> list[bool]:
-        """Mark ``jobs`` started; True for each attempt still held. Raises RedisError."""
+    def mark(self, jobs: list[ClaimedJob]) -> list[Applied]:
+        """Mark ``jobs`` started; start.lua's reply for each (see Broker.start).
+        Raises RedisError."""
         slots: list[list[Any]] = [[job, None] for job in jobs]  # [job, bool or error]
         with self._cond:
             self._pending += slots
@@ -105,7 +106,7 @@ class StartMarks:
         for slot in slots:
             if isinstance(slot[1], BaseException):
                 raise slot[1]
-        return [bool(slot[1]) for slot in slots]
+        return [Applied(slot[1]) for slot in slots]
 
     def _flush(self, batch: list[list[Any]]) -> None:
         by_queue: dict[str, list[list[Any]]] = defaultdict(list)

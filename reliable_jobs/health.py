@@ -12,7 +12,8 @@ Three questions, three answers:
 - *Is the queue being served?* :func:`check` (``manage.py checkworkers``)
   says what is wrong in one line: the database or Redis does not answer,
   a queue has no live worker (heartbeats in Redis, as the admin dashboard
-  lists them), or its oldest job waited longer than a limit.
+  lists them), or its latency (the dashboard's: oldest ready job, oldest
+  due scheduled job) passed a limit.
 - *Can this web process enqueue?* :func:`ready` is a view answering 200 or
   503 with a JSON body: whether the database and Redis of each reliable_jobs
   backend answer, the two things an ``enqueue()`` needs.
@@ -34,10 +35,12 @@ from django.http import HttpRequest, JsonResponse
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET
 
-from .broker import REDIS_ERRORS, Broker
+from . import dashboard
+from .broker import REDIS_ERRORS
 
 if TYPE_CHECKING:
     from .backend import ReliableJobsBackend
+    from .dashboard import QueueLine
 
 logger = logging.getLogger("reliable_jobs.health")
 
@@ -109,50 +112,21 @@ class HeartbeatFile:
 # -- reading Redis -------------------------------------------------------------
 
 
-def oldest_age_ms(broker: Broker, physical: str, *, now_ms: int | None = None) -> int | None:
-    """How long the oldest job on ``physical``'s queued list has waited, in ms.
+def latency_s(line: QueueLine) -> float:
+    """A queue's latency in seconds: its oldest ready job's age, or its oldest due
+    scheduled job's (waiting for promotion) when older; 0 when it has neither.
 
-    O(1): the oldest id sits at the right end of the list (claims take from
-    there), its hash holds when it became ready (``ready_ms``, where the
-    scripts record it) or else its ``enqueued_ms``, on the Redis server's
-    clock, as is ``now_ms`` by default. None when nothing is queued.
+    From ``dashboard.queue_counts`` (``Broker.latency``: bounded reads on
+    Redis's clock, the oldest over a queue's shards).
     """
-    k = broker.keys(physical)
-    oldest = broker.client.lindex(k.queued, -1)
-    if oldest is None:
-        return None
-    ready, enqueued = broker.client.hmget(k.job(oldest), "ready_ms", "enqueued_ms")
-    since = ready or enqueued
-    if since is None:
-        return None
-    now_ms = broker.server_time_ms() if now_ms is None else now_ms
-    try:
-        return max(0, now_ms - int(since))
-    except ValueError:
-        return None
-
-
-def queue_ages_s(backend: ReliableJobsBackend, queues: list[str] | None = None
-                 ) -> dict[str, float]:
-    """Each queue's oldest waiting job, in seconds (0 when empty), the max over its shards."""
-    from .dashboard import shards_of
-
-    now_ms = backend.broker.server_time_ms()
-    ages: dict[str, float] = {}
-    for queue, physical in shards_of(backend).items():
-        if queues is not None and queue not in queues:
-            continue
-        found = [oldest_age_ms(backend.broker, shard, now_ms=now_ms) for shard in physical]
-        ages[queue] = max((a for a in found if a is not None), default=0) / 1000
-    return ages
+    ages = [ms for ms in (line.oldest_ready_ms, line.oldest_due_ms) if ms is not None]
+    return max(ages, default=0) / 1000
 
 
 def workers_by_queue(backend: ReliableJobsBackend) -> dict[str, list[str]]:
     """The live workers (unexpired heartbeats) of each of the backend's queues."""
-    from .dashboard import workers
-
     serving: dict[str, list[str]] = {queue: [] for queue in sorted(backend.queues)}
-    for line in workers(backend):
+    for line in dashboard.workers(backend):
         for queue in line.queues:
             if queue in serving:
                 serving[queue].append(line.id)
@@ -209,7 +183,8 @@ def check(backend: ReliableJobsBackend, *, queues: list[str], max_latency_s: flo
     try:
         serving = workers_by_queue(backend)
         report.workers = {q: serving.get(q, []) for q in queues}
-        report.ages_s = queue_ages_s(backend, queues)
+        lines = {line.name: line for line in dashboard.queue_counts(backend)}
+        report.ages_s = {q: latency_s(lines[q]) for q in queues if q in lines}
     except REDIS_ERRORS as exc:
         report.problems.append(f"Redis stopped answering ({type(exc).__name__}).")
         report.unreachable = True

@@ -7,6 +7,10 @@ executor thread waits for the child; past the deadline it SIGKILLs it and the
 attempt fails with :class:`JobTimeout`. A child that dies on its own (a task
 that calls ``os._exit`` or crashes the interpreter) fails only its attempt.
 
+A job cancelled while its child runs (see cancellation.py) is stopped the
+same way: the lease keeper's cancel request SIGKILLs the child, and the
+attempt ends with :class:`JobCancelled`.
+
 Only JSON crosses the pipe: the payload text in, a JSON reply out.
 
 Neither the forkserver nor a child may outlive the worker: a SIGKILLed
@@ -38,7 +42,8 @@ from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import Any
 
-from .exceptions import JobTimeout, PermanentFailure, RetryLater
+from .cancellation import Cancellation
+from .exceptions import JobCancelled, JobTimeout, PermanentFailure, RetryLater
 from .lifetime import die_with_parent
 
 _context = multiprocessing.get_context("forkserver")
@@ -104,10 +109,13 @@ class ChildDied(Exception):
 
 
 def run_in_child(*, payload_text: str, job_id: str, attempt: int, worker_id: str,
-                 backend: str, queue: str, timeout_s: float) -> Any:
+                 backend: str, queue: str, timeout_s: float,
+                 cancellation: Cancellation | None = None) -> Any:
     """Run the payload's task in a fresh child; return its JSON return value.
 
-    Raises JobTimeout, ChildDied, RetryLater, PermanentFailure or ChildFailed.
+    A cancel requested through ``cancellation`` kills the child at once.
+    Raises JobTimeout, JobCancelled, ChildDied, RetryLater, PermanentFailure
+    or ChildFailed.
     """
     _ensure_forkserver()
     receiver, sender = _context.Pipe(duplex=False)
@@ -118,6 +126,8 @@ def run_in_child(*, payload_text: str, job_id: str, attempt: int, worker_id: str
     )
     child.start()
     sender.close()
+    # SIGKILL, never waited for: the hook runs on the lease keeper's thread.
+    forget_hook = (cancellation or Cancellation()).on_request(child.kill)
     try:
         if not receiver.poll(timeout_s):
             raise JobTimeout(f"the attempt ran longer than its limit of {timeout_s * 1000:.0f} ms "
@@ -126,9 +136,12 @@ def run_in_child(*, payload_text: str, job_id: str, attempt: int, worker_id: str
             reply = json.loads(receiver.recv_bytes())
         except (EOFError, OSError):
             child.join(timeout=5)
+            if cancellation is not None and cancellation.requested():
+                raise JobCancelled("its process was killed") from None
             raise ChildDied(f"the task's process exited with code {child.exitcode} "
                             "before answering") from None
     finally:
+        forget_hook()
         if child.is_alive():
             child.kill()
         child.join(timeout=5)
@@ -153,7 +166,7 @@ def _child_main(sender: Connection, payload_text: str, job_id: str, attempt: int
     # child a second after its limit.
     signal.alarm(math.ceil(timeout_s) + 1)
     from . import payload
-    from .compat import TaskContext, TaskResult, TaskResultStatus, normalize_json
+    from .compat import TaskResult, TaskResultStatus, normalize_json
     from .tasks import lookup
 
     try:
@@ -162,13 +175,16 @@ def _child_main(sender: Connection, payload_text: str, job_id: str, attempt: int
         if task is None:
             raise PermanentFailure(f"{decoded.task_path!r} is not a registered task")
         if task.takes_context:
+            from .cancellation import JobContext
+
             result: TaskResult[..., Any] = TaskResult(
                 task=task.using(queue_name=queue), id=job_id, status=TaskResultStatus.RUNNING,
                 enqueued_at=None, started_at=None, finished_at=None, last_attempted_at=None,
                 args=decoded.args, kwargs=decoded.kwargs, backend=backend, errors=[],
                 worker_ids=[worker_id] * attempt,
             )
-            value = task.call(TaskContext(task_result=result), *decoded.args, **decoded.kwargs)
+            # The same context class as in a thread; a cancel kills this process.
+            value = task.call(JobContext(task_result=result), *decoded.args, **decoded.kwargs)
         else:
             value = task.call(*decoded.args, **decoded.kwargs)
         reply: dict[str, Any] = {"value": normalize_json(value)}

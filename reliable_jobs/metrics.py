@@ -184,8 +184,11 @@ class QueueCollector:
                                   "Jobs in Redis by queue and state (shards summed).",
                                   labels=["queue", "state"])
         age = GaugeMetricFamily("reliable_jobs_queue_oldest_age_seconds",
-                                "How long the oldest queued job has waited (0 when none).",
+                                "How long the oldest ready job has waited (0 when none).",
                                 labels=["queue"])
+        due = GaugeMetricFamily("reliable_jobs_queue_oldest_due_age_seconds",
+                                "How long the oldest due scheduled job has waited for "
+                                "promotion (0 when none).", labels=["queue"])
         live = GaugeMetricFamily("reliable_jobs_queue_workers",
                                  "Live workers (unexpired heartbeats) serving the queue.",
                                  labels=["queue"])
@@ -199,7 +202,6 @@ class QueueCollector:
             queues = sorted(self.worker.queues) if self.worker else sorted(backend.queues)
             try:
                 counts = {line.name: line for line in dashboard.queue_counts(backend)}
-                ages = health.queue_ages_s(backend, queues)
                 serving = health.workers_by_queue(backend)
                 beats = [] if self.worker else dashboard.workers(backend)
             except REDIS_ERRORS:  # say so, and report nothing stale
@@ -210,13 +212,14 @@ class QueueCollector:
                 line = counts.get(queue)
                 for state in ("queued", "running", "scheduled", "dead"):
                     depth.add_metric([queue, state], getattr(line, state, 0))
-                age.add_metric([queue], ages.get(queue, 0.0))
+                age.add_metric([queue], (line.oldest_ready_ms or 0) / 1000 if line else 0)
+                due.add_metric([queue], (line.oldest_due_ms or 0) / 1000 if line else 0)
                 live.add_metric([queue], len(serving.get(queue, [])))
             for beat in beats:
                 in_hand.add_metric([beat.id], beat.jobs)
         if self.worker is not None:
             in_hand.add_metric([self.worker.worker_id], len(self.worker.in_hand))
-        yield from (depth, age, live, in_hand, up)
+        yield from (depth, age, due, live, in_hand, up)
 
     def _backends(self) -> list[ReliableJobsBackend]:
         from .health import _backends

@@ -14,7 +14,11 @@ final:
 - an attempt recorded as lease_expired (its worker lost the job) does not
   move the job when its late result arrives: the history keeps the result
   in the attempt's error, the job follows the attempt that holds it now;
-- no worker record moves a cancelled job.
+- no worker record moves a cancelled job, and an attempt that ends after
+  its job was cancelled (staff or code cancelled it while it ran) is
+  recorded as cancelled, whatever it returned or raised: the job ends
+  either succeeded (its outcome reached the mirror first, and the cancel
+  is refused) or cancelled, never both.
 
 Worker writes arrive in batches (one transaction per batch); a failed batch
 is retried by the caller, never dropped, and the Redis ack waits for it.
@@ -35,15 +39,20 @@ from django.db.models.functions import Coalesce, Greatest
 from django.utils import timezone
 
 from . import payload
-from .exceptions import LeaseExpired, class_path
+from .exceptions import JobCancelled, LeaseExpired, class_path
 from .faults import stop_point
 from .keys import shard_queue
 from .models import UNFINISHED_STATES, Attempt, AttemptOutcome, Job, JobState
 
 #: States after which a job never runs again.
 TERMINAL_STATES = (JobState.SUCCEEDED, JobState.DEAD)
-#: Outcomes an attempt reaches by running its task to the end.
-RAN_OUTCOMES = (AttemptOutcome.SUCCEEDED, AttemptOutcome.FAILED, AttemptOutcome.TIMED_OUT)
+#: Outcomes an attempt reaches by running its task to the end, or by being
+#: cancelled: final for the attempt.
+RAN_OUTCOMES = (AttemptOutcome.SUCCEEDED, AttemptOutcome.FAILED, AttemptOutcome.TIMED_OUT,
+                AttemptOutcome.CANCELLED)
+#: What a cancelled attempt's error starts with (TaskError imports the class).
+CANCELLED_ERROR = f"{class_path(JobCancelled)}: the job was cancelled"
+
 #: Outcomes that say only that the attempt's worker let go of the job: they
 #: never overwrite an outcome the attempt itself recorded (RAN_OUTCOMES).
 LOSS_OUTCOMES = (AttemptOutcome.LEASE_EXPIRED, AttemptOutcome.RELEASED)
@@ -89,7 +98,7 @@ def insert_job(using: str, job: Job) -> None:
         cursor.execute(_PG_INSERT_JOB, _row_values(job))
 
 
-#: Columns COPY writes for a new job (the rest keep their defaults: NULL or 0).
+#: Columns the single INSERT writes for a new job (the rest keep their defaults: NULL or 0).
 _COPY_COLUMNS = ("id", "backend", "queue", "shard", "task_path", "args", "kwargs", "priority",
                  "state", "attempts", "generation", "max_attempts", "run_after", "enqueued_at",
                  "updated_at", "last_error")
@@ -107,23 +116,82 @@ def _row_values(job: Job) -> tuple[Any, ...]:
             job.updated_at, job.last_error)
 
 
-def insert_jobs(using: str, jobs: Sequence[Job]) -> None:
-    """Insert new job rows in bulk, inside the caller's transaction.
+@dataclass(frozen=True, slots=True)
+class NewJobs:
+    """The rows of one bulk enqueue: what every row shares, then what each row holds.
 
-    On PostgreSQL with COPY: Django's bulk_create spends most of a bulk
-    enqueue building and quoting parameters (docs/prototype-performance.md: COPY is the fastest
-    way in); elsewhere with bulk_create.
+    Kept as text, not model instances: building a ``Job`` per row cost more
+    Python than everything else in a bulk enqueue. ``rows`` holds (id, shard,
+    args JSON, kwargs JSON) per job; the JSON texts are the payload's own
+    (checked by :func:`payload.check_call`: no NUL, no lone surrogate, no
+    control character left unescaped).
+    """
+
+    backend: str
+    queue: str
+    task_path: str
+    priority: int
+    state: str
+    max_attempts: int
+    run_after: datetime | None
+    enqueued_at: datetime
+    rows: list[tuple[str, int, str, str]]
+
+
+#: COPY's column order for NewJobs: a row's own values first, then the shared ones.
+_NEW_JOB_COLUMNS = ("id", "shard", "args", "kwargs", "backend", "queue", "task_path",
+                    "priority", "state", "attempts", "generation", "max_attempts", "run_after",
+                    "enqueued_at", "updated_at", "last_error")
+
+
+#: A backslash, and how COPY's text format spells one.
+BACKSLASH, ESCAPED = "\\", "\\\\"
+
+
+def _copy_text(value: object) -> str:
+    """``value`` as a field of COPY's text format (None is NULL)."""
+    if value is None:
+        return "\\N"
+    text = value.isoformat() if isinstance(value, datetime) else str(value)
+    return (text.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n")
+            .replace("\r", "\\r"))
+
+
+def insert_new_jobs(using: str, new: NewJobs) -> None:
+    """Insert the rows of one bulk enqueue, inside the caller's transaction.
+
+    On PostgreSQL with one COPY in its text format, the lines written by
+    hand: the shared columns are formatted once, and per row only the id,
+    the shard and two JSON texts are joined (psycopg's ``write_row`` spent
+    more per row formatting each value; COPY is the fastest way in, see
+    docs/prototype-performance.md). The JSON texts hold no tab, newline or
+    carriage return (the encoder escapes control characters), so a backslash
+    is the one character to escape. Elsewhere with ``bulk_create``.
     """
     connection = connections[using]
     if connection.vendor != "postgresql":
-        Job.objects.using(using).bulk_create(jobs, batch_size=1000)
+        Job.objects.using(using).bulk_create([
+            Job(id=uuid.UUID(job_id), backend=new.backend, queue=new.queue, shard=shard,
+                task_path=new.task_path, args=json.loads(args), kwargs=json.loads(kwargs),
+                priority=new.priority, state=new.state, max_attempts=new.max_attempts,
+                run_after=new.run_after, enqueued_at=new.enqueued_at,
+                updated_at=new.enqueued_at)
+            for job_id, shard, args, kwargs in new.rows
+        ], batch_size=1000)
         return
-    columns = ", ".join(_COPY_COLUMNS)
+    shared = "\t".join(_copy_text(value) for value in (
+        new.backend, new.queue, new.task_path, new.priority, new.state, 0, 0,
+        new.max_attempts, new.run_after, new.enqueued_at, new.enqueued_at, ""))
     with connection.cursor() as cursor, cursor.cursor.copy(
-        f"COPY {Job._meta.db_table} ({columns}) FROM STDIN"
+        f"COPY {Job._meta.db_table} ({', '.join(_NEW_JOB_COLUMNS)}) FROM STDIN"
     ) as copy:
-        for job in jobs:
-            copy.write_row(_row_values(job))
+        rows = new.rows
+        for start in range(0, len(rows), 1000):
+            copy.write("".join([
+                f"{job_id}\t{shard}\t{args.replace(BACKSLASH, ESCAPED)}\t"
+                f"{kwargs.replace(BACKSLASH, ESCAPED)}\t{shared}\n"
+                for job_id, shard, args, kwargs in rows[start:start + 1000]
+            ]))
 
 
 def record(using: str, records: Iterable[AttemptRecord]) -> None:
@@ -160,6 +228,7 @@ def record(using: str, records: Iterable[AttemptRecord]) -> None:
             # attempt INSERT that reserved its key before waiting for that row
             # would deadlock with the sweep's own record of the attempt.
             cursor.execute(_PG_LOCK_JOBS, [_joined(sorted(newest))])
+            _mark_cancelled_attempts(merged.values(), {str(row[0]) for row in cursor.fetchall()})
             _pg_write_attempts(cursor, list(merged.values()))
             stop_point("in_mirror_transaction")
             _pg_write_jobs(cursor, list(newest.values()))
@@ -173,9 +242,12 @@ def record(using: str, records: Iterable[AttemptRecord]) -> None:
     with transaction.atomic(using=using):
         jobs = Job.objects.using(using)
         # Rows first, in id order (see the PostgreSQL branch); a no-op on SQLite.
-        known = {str(pk): gen for ids in _chunks(sorted(newest))
-                 for pk, gen in jobs.select_for_update(no_key=True).filter(pk__in=ids)
-                 .order_by("pk").values_list("pk", "generation")}
+        locked = [(str(pk), gen, state) for ids in _chunks(sorted(newest))
+                  for pk, gen, state in jobs.select_for_update(no_key=True).filter(pk__in=ids)
+                  .order_by("pk").values_list("pk", "generation", "state")]
+        known = {pk: gen for pk, gen, _ in locked}
+        _mark_cancelled_attempts(merged.values(),
+                                 {pk for pk, _, state in locked if state == JobState.CANCELLED})
         _write_attempts(using, [r for r in merged.values() if known.get(r.job_id) == r.gen])
         stop_point("in_mirror_transaction")
         # Attempts the worker lost (see the PostgreSQL statement's NOT EXISTS).
@@ -202,6 +274,37 @@ def record(using: str, records: Iterable[AttemptRecord]) -> None:
                 closing |= Q(job_id=rec.job_id, number__lt=rec.attempt)
             Attempt.objects.using(using).filter(closing, outcome="").update(
                 outcome=AttemptOutcome.LEASE_EXPIRED, finished_at=now, error=ABANDONED_ERROR)
+
+
+def _mark_cancelled_attempts(records: Iterable[AttemptRecord], cancelled: set[str]) -> None:
+    """Record as cancelled, in place, the outcomes of attempts whose job was cancelled.
+
+    Staff or code cancelled the job while the attempt ran (its row is
+    'cancelled', locked by the caller): whatever the attempt did after that
+    is not the job's outcome, and the history says so instead of showing a
+    success under a cancelled job. Records of the job's generation only
+    reach the row (the writes are fenced by generation).
+    """
+    if not cancelled:
+        return
+    for rec in records:
+        if rec.job_id in cancelled and rec.outcome in (
+                AttemptOutcome.SUCCEEDED, AttemptOutcome.FAILED, AttemptOutcome.TIMED_OUT):
+            ended = f"{rec.outcome}: {rec.error}" if rec.error else rec.outcome
+            if not rec.error.startswith(CANCELLED_ERROR):
+                rec.error = (f"{CANCELLED_ERROR} while it ran; the attempt then ended "
+                             f"({ended}) and that result was discarded")
+            rec.outcome = AttemptOutcome.CANCELLED
+            rec.job_state = JobState.CANCELLED
+            rec.return_value = None
+            rec.retry_at = None
+
+
+def cancelled_record(job_id: str, attempt: int, *, gen: int, error: str) -> AttemptRecord:
+    """The record of an attempt that ended cancelled (worker or sweep)."""
+    return AttemptRecord(job_id=job_id, attempt=attempt, gen=gen, job_state=JobState.CANCELLED,
+                         finished_at=timezone.now(), outcome=AttemptOutcome.CANCELLED,
+                         error=error)
 
 
 #: The largest attempt number the mirror's integer columns hold.
@@ -234,7 +337,7 @@ def _job_changes(rec: AttemptRecord, now: datetime) -> dict[str, Any]:
     changes: dict[str, Any] = {"state": rec.job_state, "attempts": rec.attempt, "updated_at": now}
     if rec.started_at:
         changes["started_at"] = Coalesce("started_at", rec.started_at)
-    if rec.job_state in TERMINAL_STATES:
+    if rec.job_state in TERMINAL_STATES or rec.job_state == JobState.CANCELLED:
         changes["finished_at"] = rec.finished_at or now
     if rec.job_state == JobState.SUCCEEDED:
         changes["return_value"] = rec.return_value
@@ -275,9 +378,15 @@ def _joined(values: Iterable[Any]) -> str:
     return _SEPARATOR + _SEPARATOR.join(
         "" if v is None else v.isoformat() if isinstance(v, datetime)
         else str(v).replace(_SEPARATOR, " ") for v in values)
+# Locks every row of the batch, and returns the ids of those cancelled. The
+# CTE is MATERIALIZED: a locking sub-SELECT locks only the rows it returns,
+# and the planner could push "state = 'cancelled'" down into it, leaving the
+# others unlocked (a cancel could then slip in between this and the writes).
 _PG_LOCK_JOBS = f"""
-SELECT 1 FROM {Job._meta.db_table}
-WHERE id = ANY({_column("uuid")}) ORDER BY id FOR NO KEY UPDATE
+WITH locked AS MATERIALIZED (
+    SELECT id, state FROM {Job._meta.db_table}
+    WHERE id = ANY({_column("uuid")}) ORDER BY id FOR NO KEY UPDATE)
+SELECT id FROM locked WHERE state = 'cancelled'
 """
 
 _PG_UPSERT_ATTEMPTS = f"""
@@ -312,7 +421,7 @@ UPDATE {Job._meta.db_table} AS j SET
     state = v.state,
     attempts = v.attempt,
     started_at = COALESCE(j.started_at, v.started_at),
-    finished_at = CASE WHEN v.state IN ('succeeded', 'dead')
+    finished_at = CASE WHEN v.state IN ('succeeded', 'dead', 'cancelled')
                        THEN COALESCE(v.finished_at, now()) ELSE j.finished_at END,
     return_value = CASE WHEN v.state = 'succeeded' THEN v.return_value::jsonb
                         ELSE j.return_value END,

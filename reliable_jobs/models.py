@@ -45,10 +45,13 @@ class AttemptOutcome(models.TextChoices):
     LEASE_EXPIRED = "lease_expired", _("Lease expired")
     RELEASED = "released", _("Released")
     TIMED_OUT = "timed_out", _("Timed out")
+    #: Cancelled by staff or code while it was claimed or running.
+    CANCELLED = "cancelled", _("Cancelled")
 
 
 #: Outcomes that count as an error in ``TaskResult.errors``.
-FAILED_OUTCOMES = (AttemptOutcome.FAILED, AttemptOutcome.LEASE_EXPIRED, AttemptOutcome.TIMED_OUT)
+FAILED_OUTCOMES = (AttemptOutcome.FAILED, AttemptOutcome.LEASE_EXPIRED, AttemptOutcome.TIMED_OUT,
+                   AttemptOutcome.CANCELLED)
 
 
 class JobQuerySet(models.QuerySet["Job"]):
@@ -100,7 +103,7 @@ class Job(models.Model):
         # Staff actions in the admin, each granted on its own (staff.py).
         permissions = [
             ("retry_job", _("Can retry dead jobs")),
-            ("cancel_job", _("Can cancel jobs that have not started")),
+            ("cancel_job", _("Can cancel unfinished jobs")),
             ("requeue_job", _("Can requeue scheduled or cancelled jobs")),
         ]
 
@@ -137,8 +140,13 @@ class Attempt(models.Model):
         constraints = [
             models.UniqueConstraint(fields=["job", "number"], name="rj_attempt_job_number"),
         ]
-        # The dashboard's throughput per minute reads the last hour of attempts.
-        indexes = [models.Index(fields=["finished_at"], name="rj_attempt_finished")]
+        # The dashboard's throughput per minute reads the last hour of attempts;
+        # the per-task figures (taskstats.py) read it and the attempts still open.
+        indexes = [
+            models.Index(fields=["finished_at"], name="rj_attempt_finished"),
+            models.Index(fields=["started_at"], condition=models.Q(outcome=""),
+                         name="rj_attempt_open"),
+        ]
 
     def __str__(self) -> str:
         return f"attempt {self.number} of {self.job_id}"
@@ -146,3 +154,90 @@ class Attempt(models.Model):
     @property
     def exception_class_path(self) -> str:
         return self.error.split(":", 1)[0] if self.error else ""
+
+
+class CatchUp(models.TextChoices):
+    """What a schedule enqueues of the slots missed while no scheduler ran."""
+
+    ALL = "all", _("Every missed slot")
+    LAST = "last", _("Only the last missed slot")
+    NONE = "none", _("No missed slot")
+
+
+class Schedule(models.Model):
+    """A periodic job as the code last declared it, and where its scheduling stands.
+
+    Written only by ``periodic/scheduler.py`` (and the staff toggle): the
+    declaration fields on each scheduler's start-up, the cursor under the
+    row's lock. Rows are never deleted: a schedule removed from code keeps
+    its history, marked ``in_code=False``, and stops firing.
+    """
+
+    name = models.CharField(_("name"), max_length=200, unique=True)
+    backend = models.CharField(_("backend"), max_length=100, default="default")
+    task_path = models.CharField(_("task"), max_length=300)
+    #: A 5-field cron expression, or "" for an interval.
+    expression = models.CharField(_("cron expression"), max_length=200, blank=True, default="")
+    every_ms = models.PositiveBigIntegerField(_("every (ms)"), null=True, blank=True)
+    tz = models.CharField(_("time zone"), max_length=64, default="UTC")
+    args = models.JSONField(_("args"), default=list)
+    kwargs = models.JSONField(_("kwargs"), default=dict)
+    queue = models.CharField(_("queue"), max_length=100, blank=True, default="")
+    catch_up = models.CharField(_("after downtime"), max_length=8, choices=CatchUp.choices,
+                                default=CatchUp.LAST)
+    #: Staff may pause a schedule; schedulers read it at every pass.
+    enabled = models.BooleanField(_("enabled"), default=True)
+    #: Whether the code of the last scheduler that started declares it.
+    in_code = models.BooleanField(_("in code"), default=True)
+    #: Slots at or before this instant are never fired: set when the row is
+    #: created and when staff enable it again, so neither fires the past.
+    fire_after = models.DateTimeField(_("fires after"))
+    #: The newest slot decided (enqueued, or skipped by the downtime policy).
+    cursor_at = models.DateTimeField(_("decided up to"), null=True, blank=True)
+    last_slot_at = models.DateTimeField(_("last slot enqueued"), null=True, blank=True)
+    last_job_id = models.UUIDField(_("last job"), null=True, blank=True)
+    created_at = models.DateTimeField(_("created"), auto_now_add=True)
+    updated_at = models.DateTimeField(_("updated"), auto_now=True)
+
+    class Meta:
+        verbose_name = _("schedule")
+        verbose_name_plural = _("schedules")
+        ordering = ["name"]
+        permissions = [
+            ("toggle_schedule", _("Can enable or disable schedules")),
+            ("run_schedule", _("Can run a schedule now")),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class ScheduleSlot(models.Model):
+    """One slot of a schedule that was enqueued: the proof it happened, with its job.
+
+    The unique key (schedule, slot time) is inserted in the transaction that
+    inserts the job's row, so a slot has a job exactly when it has this row,
+    whichever scheduler, crash or retry came first. ``job_id`` is not a
+    foreign key: ``prunejobs`` deletes old jobs, and the slot must stay.
+    Manual runs ("run now") are kept here too, outside the unique key.
+    """
+
+    schedule = models.ForeignKey(Schedule, models.CASCADE, related_name="slots",
+                                 verbose_name=_("schedule"))
+    slot_at = models.DateTimeField(_("slot"))
+    job_id = models.UUIDField(_("job"), null=True, blank=True)
+    manual = models.BooleanField(_("run by staff"), default=False)
+    enqueued_at = models.DateTimeField(_("enqueued"), auto_now_add=True)
+
+    class Meta:
+        verbose_name = _("schedule slot")
+        verbose_name_plural = _("schedule slots")
+        ordering = ["-slot_at"]
+        constraints = [
+            models.UniqueConstraint(fields=["schedule", "slot_at"], name="rj_slot_once",
+                                    condition=models.Q(manual=False)),
+        ]
+        indexes = [models.Index(fields=["schedule", "-slot_at"], name="rj_slot_newest")]
+
+    def __str__(self) -> str:
+        return f"{self.schedule_id} at {self.slot_at.isoformat()}"

@@ -152,13 +152,51 @@ def encode(task_path: str, args: tuple[Any, ...] | list[Any], kwargs: dict[str, 
     if trace is not None and is_traceparent(trace):
         data["trace"] = trace
     text = _encoder.encode(data)
+    _check_size(text, max_bytes)
+    return text
+
+
+def _check_size(text: str, max_bytes: int) -> None:
+    # Only texts that could be over the limit are counted (4 bytes per
+    # character at most in UTF-8).
+    if len(text) * 4 <= max_bytes:
+        return
     size = len(text.encode())
     if size > max_bytes:
         raise PayloadTooLarge(
             f"The encoded arguments take {size} bytes, over the limit of {max_bytes} bytes "
             "(OPTIONS['MAX_PAYLOAD_BYTES']); store large data elsewhere and pass its key."
         )
-    return text
+
+
+class CallEncoder:
+    """:func:`encode` for many calls of one task, as a bulk enqueue makes them.
+
+    The task path is checked once; each call's arguments are checked and
+    encoded once, and their JSON texts are returned beside the payload (which
+    is built from them, the same text :func:`encode` writes) so the mirror's
+    ``args`` and ``kwargs`` columns need no second encoding.
+    """
+
+    def __init__(self, task_path: str, *, max_bytes: int, trace: str | None = None) -> None:
+        encode(task_path, (), {}, max_bytes=max_bytes)  # the path's checks and errors
+        self._head = '{"task":' + _encoder.encode(task_path) + ',"args":'
+        #: The trace field every payload of the batch carries, or nothing (see encode()).
+        self._tail = (',"trace":' + _encoder.encode(trace)
+                      if trace is not None and is_traceparent(trace) else "") + "}"
+        self._max_bytes = max_bytes
+
+    def __call__(self, args: list[Any], kwargs: dict[str, Any]) -> tuple[str, str, str]:
+        """Return (payload, args JSON, kwargs JSON), or raise like :func:`encode`."""
+        if not args and not kwargs:  # a call without arguments: nothing to check
+            args_json, kwargs_json = "[]", "{}"
+        else:
+            check_call(args, kwargs)
+            args_json = _encoder.encode(args)
+            kwargs_json = _encoder.encode(kwargs)
+        text = f'{self._head}{args_json},"kwargs":{kwargs_json}{self._tail}'
+        _check_size(text, self._max_bytes)
+        return text, args_json, kwargs_json
 
 
 def decode(text: object, *, max_bytes: int | None = None) -> Payload:

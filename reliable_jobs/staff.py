@@ -81,12 +81,20 @@ def retry(backend: ReliableJobsBackend, job_id: Any) -> Outcome:
 
 
 def cancel(backend: ReliableJobsBackend, job_id: Any) -> Outcome:
-    """Take a job that has not started off its list, so it never runs.
+    """Cancel an unfinished job: a waiting one never runs, a running one is stopped.
 
-    Redis decides: ``cancel.lua`` removes only a queued or scheduled job, so
-    a job a worker already claimed is never dropped silently, and a job
-    Redis does not hold (its push on the way, or lost and soon rebuilt) is
-    left for the caller to try again.
+    Redis decides (``cancel.lua``): a queued or scheduled job is taken off
+    its list; a job a worker holds is marked for cancellation, and its
+    worker stops it (kills its child process, or tells its thread through
+    the task's context) and records its attempt as cancelled, whatever the
+    task then does. A job Redis does not hold (its push on the way, or lost
+    and soon rebuilt) is left for the caller to try again.
+
+    The row is locked first and marked cancelled in the same transaction:
+    a worker's outcome that reached the mirror first wins (the job has
+    finished: nothing is cancelled), one that comes later finds the row
+    cancelled and is recorded as a cancelled attempt (mirror.py). Either
+    way the job ends one of the two, and its history says which.
     """
     database = backend.config.DATABASE
     with transaction.atomic(using=database):
@@ -99,15 +107,15 @@ def cancel(backend: ReliableJobsBackend, job_id: Any) -> Outcome:
                            "nothing to cancel.")
         cancelled, found = backend.broker.cancel(job.physical_queue, jid)
         if not cancelled:
-            if found == JobState.RUNNING:
-                return Outcome(jid, False, f"Job {jid} is running: a job that has started is "
-                               "not cancelled; it was left to finish.")
             if not found:
                 return Outcome(jid, False, f"Job {jid} is not in Redis yet (its push is on "
                                "the way, or the recovery sweep is rebuilding it): it was not "
                                "cancelled; try again in a minute.")
             return Outcome(jid, False, f"Job {jid} is {found} in Redis: it was not cancelled.")
         mirror.mark_cancelled(database, jid)
+    if found == JobState.RUNNING:
+        return Outcome(jid, True, f"Job {jid} was cancelled while running: its worker stops it "
+                       "and it will not run again.")
     return Outcome(jid, True, f"Job {jid} was cancelled ({found}, taken off Redis): it will "
                    "not run.")
 

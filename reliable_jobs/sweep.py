@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import TYPE_CHECKING
@@ -50,6 +50,7 @@ class SweepReport:
     garbage: int = 0
     promoted: int = 0
     settled: int = 0
+    cancelled: int = 0
     checked: int = 0
     pushed: int = 0
     buried: int = 0
@@ -149,12 +150,18 @@ class Sweep:
                     if (row is not None and row.state in mirror.TERMINAL_STATES
                             and (row.attempts, row.generation) == (attempt, gen)):
                         settle.append(Settlement(job_id, attempt, gen, row.state, row.last_error))
+                    elif (row is not None and row.state == JobState.CANCELLED
+                          and row.generation == gen):
+                        # Cancelled while it ran (the row may lag behind on
+                        # attempts): never run again, whatever Redis holds.
+                        settle.append(Settlement(job_id, attempt, gen, JobState.CANCELLED))
                     else:
                         allowed.append((job_id, attempt, gen))
                 recovered = broker.recover(queue, lease_ms=lease_ms, settle=settle,
                                            allowed=allowed)
                 crash_point("sweep_after_recover")
-                mirror.record(database, self._records(recovered, report))
+                cancelled = {s.id for s in settle if s.final == JobState.CANCELLED}
+                mirror.record(database, self._records(recovered, report, cancelled))
         except (DatabaseError, InterfaceError) as exc:
             logger.warning("Recovering only jobs that never started on queue %r: the database "
                            "is unavailable (%s).", queue, exc)
@@ -162,11 +169,23 @@ class Sweep:
         return recovered
 
     @staticmethod
-    def _records(recovered: RecoverResult, report: SweepReport) -> list[AttemptRecord]:
-        """The mirror records of the started attempts recover settled, requeued or buried."""
+    def _records(recovered: RecoverResult, report: SweepReport,
+                 cancelled: Collection[str] = ()) -> list[AttemptRecord]:
+        """The mirror records of the started attempts recover settled, requeued or buried.
+
+        An attempt whose job was cancelled while it ran, and whose worker
+        then stopped (``cancelled``: settled from a cancelled row; or kind
+        'cancelled': Redis held the mark), is closed as cancelled.
+        """
         records: list[AttemptRecord] = []
         for job in recovered.outcomes:
-            if job.kind == "settled":
+            if job.kind == "cancelled" or (job.kind == "settled" and job.id in cancelled):
+                report.cancelled += 1
+                records.append(mirror.cancelled_record(
+                    job.id, job.attempts, gen=job.gen,
+                    error=f"{mirror.CANCELLED_ERROR} while it ran; its worker then stopped "
+                          "renewing the lease, and it was not run again"))
+            elif job.kind == "settled":
                 report.settled += 1
             elif job.kind == "expired":
                 report.requeued += 1

@@ -29,7 +29,7 @@ from hypothesis.stateful import (
 )
 
 from reliable_jobs import mirror, staff
-from reliable_jobs.broker import Broker, ClaimedJob, Fence, NewJob
+from reliable_jobs.broker import Applied, Broker, ClaimedJob, Fence, NewJob
 from reliable_jobs.compat import task_backends
 from reliable_jobs.mirror import AttemptRecord
 from reliable_jobs.models import UNFINISHED_STATES, AttemptOutcome, Job, JobState
@@ -160,6 +160,9 @@ class QueueMachine(RuleBasedStateMachine):
                 self.fail(f"job {job.id} is handed out again (attempt {job.attempt}, gen "
                           f"{job.gen}) although its row already says succeeded "
                           f"(attempt {row.attempts}, gen {row.generation})")
+            if job.id in self.cancelled:
+                self.fail(f"job {job.id} was cancelled by staff and is handed out again "
+                          f"(attempt {job.attempt}, gen {job.gen})")
             worker.held[job.fence] = Held(job)
         records = [mirror.expired_record(
             job_id, attempts, dead=True, gen=gen,
@@ -172,6 +175,14 @@ class QueueMachine(RuleBasedStateMachine):
         """start.lua for one claim; then (maybe) the start record the executor writes."""
         job = held.job
         [ok] = self.broker.start(QUEUE, [job.fence])
+        if ok == Applied.CANCELLED:
+            # Cancelled before it started: the worker records it and acks it
+            # (the executor's _mark_started), never runs it.
+            del worker.held[job.fence]
+            mirror.record(self.database, [mirror.cancelled_record(
+                job.id, job.attempt, gen=job.gen, error="cancelled before it started")])
+            self.broker.ack(QUEUE, [job.fence])
+            return False
         if not ok:
             del worker.held[job.fence]  # the worker drops a claim it lost
             return False

@@ -22,6 +22,7 @@ from django.utils import timezone
 from reliable_jobs import admin as rj_admin
 from reliable_jobs import staff
 from reliable_jobs.backend import ReliableJobsBackend
+from reliable_jobs.broker import Applied
 from reliable_jobs.keys import QueueKeys
 from reliable_jobs.models import Attempt, Job, JobState
 from testproject.demo import tasks as demo
@@ -185,7 +186,8 @@ def test_cancel_takes_queued_and_scheduled_jobs_off_redis(
     # one is marked cancelled where it waits (cancel does not search the list)
     # and is gone (list and hash) once a worker reaches it, never run; both
     # are cancelled in the rows
-    assert said == ["Cancelled 2 jobs that had not started: they will not run."]
+    assert said == ["Cancelled 2 jobs: those waiting will not run, those running are being "
+                    "stopped."]
     assert redis_client.zrange(KEYS.scheduled, 0, -1) == []
     assert redis_client.hget(KEYS.job(later.id), "state") == "cancelled"
     assert redis_client.pttl(KEYS.job(later.id)) > 0
@@ -201,28 +203,38 @@ def test_cancel_takes_queued_and_scheduled_jobs_off_redis(
     assert LogEntry.objects.count() == 2
 
 
-def test_cancel_never_drops_a_running_job(
+def test_cancel_marks_a_running_job_and_its_holder_finishes_it_cancelled(
     backend: ReliableJobsBackend, boss: Client, redis_client: redis.Redis
 ) -> None:
     # Given: a job a worker holds, whose row still says queued (the start
     # mark is a batch behind), and a finished one
     held = demo.add.enqueue(1, 1)
-    backend.broker.claim("default", count=1, lease_ms=60_000)
+    [claim] = backend.broker.claim("default", count=1, lease_ms=60_000).jobs
     done = demo.add.enqueue(2, 2)
     run_attempt(backend, done.id, outcome="succeeded")
     assert Job.objects.get(pk=held.id).state == JobState.QUEUED
-    before = snapshot(redis_client, held.id, done.id)
+    before_done = snapshot(redis_client, done.id)
 
-    # When staff try to cancel them
+    # When staff cancel both
     said = act(boss, "cancel_jobs", held.id, done.id)
 
-    # Then Redis decides: the running job is left to finish, nothing is written
+    # Then Redis decides: the running job is marked for cancellation where it
+    # is (its worker stops it) and its row is cancelled; the finished one is
+    # left as it was, and says so
     assert sorted(said) == sorted([
-        f"Job {held.id} is running: a job that has started is not cancelled; it was left "
-        "to finish.",
+        f"Job {held.id} was cancelled while running: its worker stops it and it will not run "
+        "again.",
         f"Job {done.id} has finished (succeeded): there is nothing to cancel.",
     ])
-    assert snapshot(redis_client, held.id, done.id) == before
+    assert redis_client.hget(KEYS.job(held.id), "cancel") == f"{claim.attempt}:{claim.gen}"
+    assert redis_client.lrange(KEYS.processing, 0, -1) == [held.id]
+    assert Job.objects.get(pk=held.id).state == JobState.CANCELLED
+    assert snapshot(redis_client, done.id) == before_done
+    assert LogEntry.objects.count() == 1
+    # and when its holder acks, the job ends as cancelled, never acked or retried
+    assert backend.broker.ack("default", [claim.fence]) == [Applied.CANCELLED]
+    assert redis_client.hgetall(KEYS.job(held.id)) == {"state": "cancelled", "gen": "0"}
+    assert not redis_client.zrange(KEYS.leases, 0, -1)
 
 
 def test_cancel_of_a_job_redis_does_not_hold_writes_nothing(
@@ -389,13 +401,14 @@ def test_a_big_selection_is_handled_in_bounded_steps(
     said = act(boss, "cancel_jobs", *[r.id for r in results])
 
     # Then three are cancelled, and the message says how to do the rest
-    assert said == ["Cancelled 3 jobs that had not started: they will not run.",
+    assert said == ["Cancelled 3 jobs: those waiting will not run, those running are being "
+                    "stopped.",
                     "Only 3 of the 5 selected jobs were handled; select the rest (the state "
                     "filter helps) and run the action again."]
     assert Job.objects.filter(state=JobState.CANCELLED).count() == 3
     rest = Job.objects.filter(state=JobState.QUEUED).values_list("pk", flat=True)
     assert act(boss, "cancel_jobs", *map(str, rest)) == [
-        "Cancelled 2 jobs that had not started: they will not run."]
+        "Cancelled 2 jobs: those waiting will not run, those running are being stopped."]
 
 
 def test_redis_down_changes_nothing_and_says_so(
@@ -417,7 +430,7 @@ def test_redis_down_changes_nothing_and_says_so(
 
 
 @pytest.mark.slow
-def test_cancel_racing_a_real_worker_either_cancels_or_lets_run_never_both(
+def test_cancel_racing_a_real_worker_ends_each_job_succeeded_or_cancelled_never_both(
     rj_settings: Callable[..., dict[str, str]], processes: Processes, redis_client: redis.Redis
 ) -> None:
     # Given: 300 jobs of 20 ms each, and a worker (2 threads) already draining them
@@ -428,25 +441,30 @@ def test_cancel_racing_a_real_worker_either_cancels_or_lets_run_never_both(
     wait_until(lambda: Job.objects.filter(state=JobState.SUCCEEDED).exists(), timeout=30,
                message="the worker to start")
 
-    # When staff cancel every one of them, oldest first, while it drains
+    # When staff cancel every one of them, oldest first, while it drains:
+    # queued ones, running ones, and ones finishing at that very moment
     outcomes = [staff.cancel(backend, result.id) for result in results]
 
-    # Then each job either was cancelled and never ran, or ran and was not
-    # cancelled: none both, none lost, none left waiting
+    # Then each job ends exactly one of succeeded (the cancel was refused) or
+    # cancelled (never run, or its attempt recorded cancelled, no result),
+    # and its history says the same: none both, none lost, none left waiting
     wait_until(lambda: not Job.objects.exclude(
         state__in=[JobState.SUCCEEDED, JobState.CANCELLED]).exists(), timeout=60,
         message="every job to end")
     # (a cancelled job's id waits on queued until the worker reaches it and drops it)
     wait_until(lambda: not redis_client.llen(KEYS.queued) and not redis_client.llen(
-        KEYS.landing), timeout=60, message="the worker to reach every cancelled id")
+        KEYS.landing) and not redis_client.zcard(KEYS.leases), timeout=60,
+        message="the worker to reach every cancelled id")
     cancelled = {o.job_id for o in outcomes if o.done}
     for job in Job.objects.all():
-        ran = Attempt.objects.filter(job=job).exists()
+        outcomes_of_job = list(Attempt.objects.filter(job=job).values_list("outcome", flat=True))
         if str(job.pk) in cancelled:
-            assert (job.state, ran, job.return_value) == (JobState.CANCELLED, False, None)
-            assert not redis_client.exists(KEYS.job(str(job.pk)))
+            assert (job.state, job.return_value) == (JobState.CANCELLED, None)
+            assert set(outcomes_of_job) <= {"cancelled"}, (job.pk, outcomes_of_job)
+            assert redis_client.hgetall(KEYS.job(str(job.pk))) in (
+                {}, {"state": "cancelled", "gen": "0"})
         else:
-            assert (job.state, ran) == (JobState.SUCCEEDED, True), job.pk
+            assert (job.state, outcomes_of_job) == (JobState.SUCCEEDED, ["succeeded"]), job.pk
     assert 0 < len(cancelled) < 300, "the race did not happen; the test proved nothing"
     worker.send_signal(signal.SIGTERM)
     assert worker.wait(timeout=30) == 0

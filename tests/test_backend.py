@@ -23,6 +23,7 @@ from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
+from reliable_jobs import payload
 from reliable_jobs.backend import ReliableJobsBackend
 from reliable_jobs.compat import (
     InvalidTask,
@@ -853,6 +854,30 @@ def test_enqueue_many_with_one_bad_call_writes_nothing(
 
     # Then: none of the three is written
     assert_nothing_written(redis_client)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_enqueue_many_stores_text_copy_would_misread_and_real_uuid4_ids(
+    backend: ReliableJobsBackend, redis_client: redis.Redis
+) -> None:
+    # Given: arguments holding what COPY's text format treats specially
+    # (backslashes, tabs, newlines, a literal \N) and text beyond ASCII
+    tricky = ["back\\slash", "tab\there", "new\nline\r", "\\N", "quote\"d", "ünï €", "\\\\t"]
+    calls = [((text,), {"k": text, "nested": [text, {"x": text}]}) for text in tricky]
+
+    # When: they are enqueued at once
+    results = backend.enqueue_many(test_tasks.noop_task, calls)
+
+    # Then: each row and each Redis payload holds exactly the arguments given
+    for result, text in zip(results, tricky, strict=True):
+        job = Job.objects.get(pk=result.id)
+        assert (job.args, job.kwargs) == ([text], {"k": text, "nested": [text, {"x": text}]})
+        stored = payload.decode(redis_client.hget(job_key(result.id), "payload"))
+        assert (stored.args, stored.kwargs) == (job.args, job.kwargs)
+        # and every id is a version 4 UUID in its canonical text
+        assert str(uuid.UUID(result.id)) == result.id
+        assert uuid.UUID(result.id).version == 4
+        assert uuid.UUID(result.id).variant == uuid.RFC_4122
 
 
 # -- async API ------------------------------------------------------------------------

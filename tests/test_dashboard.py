@@ -169,7 +169,11 @@ def test_a_sharded_queue_counts_every_shard_on_one_line(
     assert '<td class="num rj-queued">4</td>' in text
     assert '<td class="num rj-running">1</td>' in text
     assert "q#" not in text
-    assert "q              4          1          1          1" in stats()
+    printed = stats()
+    assert "q                  4          1          1          1" in printed
+    # And each shard follows on a line of its own (with its latency)
+    assert "  shard 1          2          1          0          0" in printed
+    assert "  shard 3          1          0          0          0" in printed
 
 
 def test_healthy_jobs_on_any_shard_are_not_drift(

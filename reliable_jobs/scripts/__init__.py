@@ -27,6 +27,7 @@ SCRIPT_NAMES = (
     "enqueue",
     "expired",
     "extend",
+    "latency",
     "nack",
     "promote",
     "purge",

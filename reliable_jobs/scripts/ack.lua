@@ -19,7 +19,13 @@
   on-commit push that lost a race with reconcile) is refused by enqueue.lua
   instead of running the job again.
 
-  Returns: a list with 1 (acked) or 0 (refused) per group.
+  A job marked for cancellation while it ran (field 'cancel', see
+  cancel.lua) is finished as cancelled instead: the same removal, and a
+  'cancelled' tombstone for tombstone_ms. The mirror, written first, holds
+  its outcome (a staff cancel turned the row 'cancelled' before the mark).
+
+  Returns: a list with 1 (acked), 2 (finished as cancelled) or 0 (refused)
+  per group.
   Errors: tombstone_ms not a whole number from 1 to 2^52 (nothing is written).
 ]]
 local processing_key = KEYS[1]
@@ -36,20 +42,29 @@ local results, done_ids, done_keys = {}, {}, {}
 for i = 2, #ARGV, 3 do
   local job_id = ARGV[i]
   local job_key = job_prefix .. job_id
-  local job = redis.call('HMGET', job_key, 'state', 'attempts', 'gen')
+  local job = redis.call('HMGET', job_key, 'state', 'attempts', 'gen', 'cancel')
   local gen = job[3] or '0'
   if job[1] == 'running' and job[2] == ARGV[i + 1] and gen == ARGV[i + 2] then
-    -- Claimed ids sit near the tail of processing: search from there.
+    -- The tail holds the oldest claims, which a lone worker acks first; with
+    -- many workers this walks past every older unacked id (O(in flight),
+    -- see bench/README.md: the fix is the leases zset as the in-flight index).
     redis.call('LREM', processing_key, -1, job_id)
     done_ids[#done_ids + 1] = job_id
-    if gen == '0' then
+    if job[4] then
+      -- Marked for cancellation while it ran: finished as cancelled.
+      redis.call('DEL', job_key)
+      redis.call('HSET', job_key, 'state', 'cancelled', 'gen', gen)
+      redis.call('PEXPIRE', job_key, tombstone_ms)
+      results[#results + 1] = 2
+    elseif gen == '0' then
       done_keys[#done_keys + 1] = job_key
+      results[#results + 1] = 1
     else
       redis.call('DEL', job_key)
       redis.call('HSET', job_key, 'state', 'finished', 'gen', gen)
       redis.call('PEXPIRE', job_key, tombstone_ms)
+      results[#results + 1] = 1
     end
-    results[#results + 1] = 1
   else
     results[#results + 1] = 0
   end

@@ -12,7 +12,13 @@
   expired and the job was recovered or claimed again) is refused, and the
   lease it would have extended is left alone.
 
-  Returns: a list with 1 (extended) or 0 (refused) per group.
+  The reply also carries a cancel request (see cancel.lua) back to the
+  holder, so a worker learns of it without a round trip of its own: the
+  lease is still extended (the holder is alive, stopping its task), and
+  the script that ends the attempt finishes the job as cancelled.
+
+  Returns: a list with 1 (extended), 2 (extended; the job is to be
+  cancelled) or 0 (refused) per group.
   Errors: lease_ms not a whole number from 0 to 2^52 (nothing is written).
 ]]
 local leases_key = KEYS[1]
@@ -30,11 +36,15 @@ local deadline_ms = now_ms + lease_ms
 local results = {}
 for i = 2, #ARGV, 3 do
   local job_id = ARGV[i]
-  local job = redis.call('HMGET', job_prefix .. job_id, 'state', 'attempts', 'gen')
+  local job = redis.call('HMGET', job_prefix .. job_id, 'state', 'attempts', 'gen', 'cancel')
   if job[1] == 'running' and job[2] == ARGV[i + 1] and (job[3] or '0') == ARGV[i + 2]
       and redis.call('ZSCORE', leases_key, job_id) then
     redis.call('ZADD', leases_key, deadline_ms, job_id)
-    results[#results + 1] = 1
+    if job[4] then
+      results[#results + 1] = 2
+    else
+      results[#results + 1] = 1
+    end
   else
     results[#results + 1] = 0
   end

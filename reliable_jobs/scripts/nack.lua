@@ -23,7 +23,12 @@
   A delay that is not a number counts as -1 (dead); one beyond 2^52 ms is
   cut to 2^52 ms (a job due in some 140,000 years, still in scheduled).
 
-  Returns: a list with 1 (applied) or 0 (refused: stale attempt) per group.
+  A job marked for cancellation while it ran (field 'cancel', see
+  cancel.lua) is neither retried nor buried: it is finished as cancelled
+  (a 'cancelled' tombstone for CANCELLED_TOMBSTONE_MS).
+
+  Returns: a list with 1 (applied), 2 (finished as cancelled instead) or 0
+  (refused: stale attempt) per group.
   Errors: ARGV not in groups of five (nothing is written).
 ]]
 local queued_key = KEYS[1]
@@ -48,6 +53,9 @@ local function delay_of(value)
   return math.min(math.floor(n), 4503599627370496)
 end
 
+-- How long a cancelled job's tombstone lives (broker.TOMBSTONE_MS).
+local CANCELLED_TOMBSTONE_MS = 3600000
+
 local clock = redis.call('TIME')
 local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 
@@ -58,11 +66,15 @@ for i = 1, #ARGV, 5 do
   local job_key = job_prefix .. job_id
   local delay_ms = delay_of(ARGV[i + 3])
   local error_text = ARGV[i + 4]
-  local job = redis.call('HMGET', job_key, 'state', 'attempts', 'gen')
+  local job = redis.call('HMGET', job_key, 'state', 'attempts', 'gen', 'cancel')
   if job[1] == 'running' and job[2] == ARGV[i + 1] and (job[3] or '0') == ARGV[i + 2] then
     redis.call('LREM', processing_key, -1, job_id)
     redis.call('ZREM', leases_key, job_id)
-    if delay_ms < 0 then
+    if job[4] then
+      redis.call('DEL', job_key)
+      redis.call('HSET', job_key, 'state', 'cancelled', 'gen', job[3] or '0')
+      redis.call('PEXPIRE', job_key, CANCELLED_TOMBSTONE_MS)
+    elseif delay_ms < 0 then
       redis.call('ZADD', dead_key, now_ms, job_id)
       redis.call('HSET', job_key, 'state', 'dead', 'finished_ms', now_ms, 'last_error', error_text)
     elseif delay_ms == 0 then
@@ -73,7 +85,7 @@ for i = 1, #ARGV, 5 do
       redis.call('ZADD', scheduled_key, now_ms + delay_ms, job_id)
       redis.call('HSET', job_key, 'state', 'scheduled', 'last_error', error_text)
     end
-    results[#results + 1] = 1
+    results[#results + 1] = job[4] and 2 or 1
   else
     results[#results + 1] = 0
   end

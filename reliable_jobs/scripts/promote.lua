@@ -11,7 +11,8 @@
   An id whose hash is gone or not 'scheduled' (cancelled, or a stray) is
   dropped from scheduled; the database reconcile restores a real job that
   Redis lost. A damaged hash (no state, or a state no script writes) is
-  deleted as well, so that reconcile rebuilds that job too.
+  deleted as well, so that reconcile rebuilds that job too. A promoted job's
+  hash gets 'ready_ms' (now), from which latency.lua measures its wait.
 
   Returns: the number of jobs promoted.
 ]]
@@ -34,7 +35,7 @@ for _, job_id in ipairs(due) do
   local job_key = job_prefix .. job_id
   local state = redis.call('HGET', job_key, 'state')
   if state == 'scheduled' then
-    redis.call('HSET', job_key, 'state', 'queued')
+    redis.call('HSET', job_key, 'state', 'queued', 'ready_ms', now_ms)
     ready[#ready + 1] = job_id
   elseif not KNOWN_STATES[state] then
     redis.call('DEL', job_key)

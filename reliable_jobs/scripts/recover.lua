@@ -17,8 +17,8 @@
   ARGV[5] started       'all': act on every expired started attempt;
                         'listed': only on those listed after the groups
   ARGV[6..]             settle_count groups of five, the attempts to settle:
-                        id, attempt, gen, final ('succeeded' or 'dead'),
-                        error; then triples id, attempt, gen: the started
+                        id, attempt, gen, final ('succeeded', 'dead' or
+                        'cancelled'), error; then triples id, attempt, gen: the started
                         attempts the caller lets this call requeue or bury
 
   An attempt that started may have written its outcome to the database
@@ -31,8 +31,9 @@
   looked, or its row was busy) is left for the next pass.
 
   Settling comes first: the attempt is finished as the mirror says, removed
-  like an ack ('succeeded'; a tombstone when gen > 0, see ack.lua) or
-  buried with that error ('dead'). Fenced: only if the job is still
+  like an ack ('succeeded'; a tombstone when gen > 0, see ack.lua), buried
+  with that error ('dead'), or left as a 'cancelled' tombstone
+  ('cancelled'). Fenced: only if the job is still
   'running' with that attempt and gen and its lease has expired.
 
   Then every other expired lease. An expired 'running' job whose attempt
@@ -40,7 +41,9 @@
   of queued with one more attempt in its budget (max_attempts + 1): its
   worker died before running it, so it is not charged. One whose attempt
   started and whose attempts are spent goes to dead (G3); otherwise it goes
-  back on the right of queued, to run next.
+  back on the right of queued, to run next. A 'running' job marked for
+  cancellation (field 'cancel', see cancel.lua), started or not, is never
+  run again: it becomes a 'cancelled' tombstone.
 
   An id on landing with no lease (its worker died between BLMOVE and the
   claim script) is stamped with a lease the first time it is seen, and comes
@@ -63,6 +66,7 @@
   Returns: { outcomes, stamped }
     outcomes  flat list: id, attempts, max_attempts, kind, gen per handled
               lease, where kind is 'settled' (finished as the mirror says),
+              'cancelled' (marked for cancellation: not run again),
               'expired' (requeued), 'unstarted' (requeued, refunded),
               'dead', 'orphan' (requeued, never claimed), 'garbage' (no job
               hash, or a damaged one) or 'dropped' (stray copy of a job
@@ -147,10 +151,15 @@ for i = 6, listed_from - 1, 5 do
   local gen = job[3] or '0'
   local deadline = tonumber(redis.call('ZSCORE', leases_key, job_id))
   if job[1] == 'running' and job[2] == ARGV[i + 1] and gen == ARGV[i + 2]
-      and deadline and deadline <= now_ms and (final == 'succeeded' or final == 'dead') then
+      and deadline and deadline <= now_ms
+      and (final == 'succeeded' or final == 'dead' or final == 'cancelled') then
     redis.call('ZREM', leases_key, job_id)
     redis.call('LREM', processing_key, -1, job_id)
-    if final == 'dead' then
+    if final == 'cancelled' then
+      redis.call('DEL', job_key)
+      redis.call('HSET', job_key, 'state', 'cancelled', 'gen', gen)
+      redis.call('PEXPIRE', job_key, tombstone_ms)
+    elseif final == 'dead' then
       redis.call('ZADD', dead_key, now_ms, job_id)
       redis.call('HSET', job_key, 'state', 'dead', 'finished_ms', now_ms,
         'last_error', ARGV[i + 4])
@@ -185,7 +194,8 @@ for _, job_id in ipairs(expired) do
     if redis.call('LREM', landing_key, 1, job_id) > 0
         or redis.call('LREM', processing_key, -1, job_id) > 0 then
       local job_key = job_prefix .. job_id
-      local job = redis.call('HMGET', job_key, 'state', 'attempts', 'max_attempts', 'started', 'gen')
+      local job = redis.call('HMGET', job_key, 'state', 'attempts', 'max_attempts', 'started', 'gen',
+        'cancel')
       local attempts = count_of(job[2], 0)
       local max_attempts = count_of(job[3], 1)
       local kind
@@ -193,6 +203,11 @@ for _, job_id in ipairs(expired) do
         kind = 'garbage'
         redis.call('DEL', job_key)
         redis.call('ZADD', dead_key, now_ms, job_id)
+      elseif job[1] == 'running' and job[6] then
+        kind = 'cancelled'
+        redis.call('DEL', job_key)
+        redis.call('HSET', job_key, 'state', 'cancelled', 'gen', job[5] or '0')
+        redis.call('PEXPIRE', job_key, tombstone_ms)
       elseif job[1] == 'running' and job[4] ~= job[2] then
         kind = 'unstarted'
         max_attempts = math.min(max_attempts + 1, MAX_COUNT)

@@ -18,7 +18,12 @@
   goes down, so a fencing token is never handed out twice), so a shutdown
   costs it nothing; an interrupted one keeps the attempt it used.
 
-  Returns: a list with 1 (released) or 0 (refused: stale attempt) per group.
+  A job marked for cancellation while it ran (field 'cancel', see
+  cancel.lua) is not handed back: it is finished as cancelled (a
+  'cancelled' tombstone for CANCELLED_TOMBSTONE_MS).
+
+  Returns: a list with 1 (released), 2 (finished as cancelled instead) or
+  0 (refused: stale attempt) per group.
   Errors: ARGV not in groups of four (nothing is written).
 ]]
 local queued_key = KEYS[1]
@@ -44,13 +49,24 @@ local function count_of(value, lowest)
   return math.max(lowest, math.min(MAX_COUNT, math.floor(n)))
 end
 
+-- How long a cancelled job's tombstone lives (broker.TOMBSTONE_MS).
+local CANCELLED_TOMBSTONE_MS = 3600000
+
 local results = {}
 local released = 0
 for i = 1, #ARGV, 4 do
   local job_id = ARGV[i]
   local job_key = job_prefix .. job_id
-  local job = redis.call('HMGET', job_key, 'state', 'attempts', 'gen')
-  if job[1] == 'running' and job[2] == ARGV[i + 1] and (job[3] or '0') == ARGV[i + 2] then
+  local job = redis.call('HMGET', job_key, 'state', 'attempts', 'gen', 'cancel')
+  if job[1] == 'running' and job[2] == ARGV[i + 1] and (job[3] or '0') == ARGV[i + 2]
+      and job[4] then
+    redis.call('LREM', processing_key, -1, job_id)
+    redis.call('ZREM', leases_key, job_id)
+    redis.call('DEL', job_key)
+    redis.call('HSET', job_key, 'state', 'cancelled', 'gen', job[3] or '0')
+    redis.call('PEXPIRE', job_key, CANCELLED_TOMBSTONE_MS)
+    results[#results + 1] = 2
+  elseif job[1] == 'running' and job[2] == ARGV[i + 1] and (job[3] or '0') == ARGV[i + 2] then
     redis.call('LREM', processing_key, -1, job_id)
     redis.call('ZREM', leases_key, job_id)
     if ARGV[i + 3] == '0' then

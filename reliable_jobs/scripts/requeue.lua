@@ -10,7 +10,8 @@
 
   Only a job Redis holds as 'scheduled' (a run_after or a retry delay) moves;
   any other state is reported and left alone, so a job already queued or
-  running is never pushed twice.
+  running is never pushed twice. The job's 'ready_ms' becomes now (see
+  latency.lua).
 
   Returns: { moved (1 or 0), state found ('' when no hash) }
 ]]
@@ -19,13 +20,15 @@ local scheduled_key = KEYS[2]
 local wake_key = KEYS[3]
 local job_prefix = KEYS[4]
 
+--- @include "server_clock"
+
 local job_id = ARGV[1]
 local job_key = job_prefix .. job_id
 local state = redis.call('HGET', job_key, 'state') or ''
 if state ~= 'scheduled' or redis.call('ZREM', scheduled_key, job_id) == 0 then
   return { 0, state }
 end
-redis.call('HSET', job_key, 'state', 'queued')
+redis.call('HSET', job_key, 'state', 'queued', 'ready_ms', now_ms())
 redis.call('LPUSH', queued_key, job_id)
 if redis.call('LLEN', wake_key) == 0 then
   redis.call('RPUSH', wake_key, '1')

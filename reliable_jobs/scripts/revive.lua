@@ -11,6 +11,7 @@
 
   The attempts counter keeps counting (so fencing tokens never repeat and
   the history keeps every attempt); max_attempts becomes attempts + extra.
+  The job's 'ready_ms' becomes now (see latency.lua).
 
   Returns: 1 if revived, 0 if the job was not dead in Redis.
   Errors: extra_attempts not a whole number from 0 to 2^31 - 1 (nothing is
@@ -20,6 +21,8 @@ local queued_key = KEYS[1]
 local dead_key = KEYS[2]
 local wake_key = KEYS[3]
 local job_prefix = KEYS[4]
+
+--- @include "server_clock"
 
 local MAX_COUNT = 2147483647
 local extra = tonumber(ARGV[2])
@@ -39,7 +42,8 @@ if attempts == nil or attempts ~= attempts then
 end
 attempts = math.max(0, math.min(MAX_COUNT, math.floor(attempts)))
 redis.call('ZREM', dead_key, job_id)
-redis.call('HSET', job_key, 'state', 'queued', 'max_attempts', math.min(attempts + extra, MAX_COUNT))
+redis.call('HSET', job_key, 'state', 'queued', 'max_attempts', math.min(attempts + extra, MAX_COUNT),
+  'ready_ms', now_ms())
 redis.call('HDEL', job_key, 'finished_ms')
 redis.call('LPUSH', queued_key, job_id)
 if redis.call('LLEN', wake_key) == 0 then

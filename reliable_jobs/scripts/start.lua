@@ -12,8 +12,13 @@
   neighbours of a job that crashes its worker are not charged for it, while
   the crashing job, marked before it ran, still is (G3).
 
-  Returns: a list with 1 (marked: run it) or 0 (refused: the attempt is no
-  longer held, do not run it) per group.
+  A claim marked for cancellation before it started (field 'cancel', see
+  cancel.lua) is not marked: its task must not run, and its holder
+  finishes it as cancelled (ack.lua).
+
+  Returns: a list with 1 (marked: run it), 2 (held, but cancelled: do not
+  run it, finish it) or 0 (refused: the attempt is no longer held, do not
+  run it) per group.
 ]]
 local job_prefix = KEYS[1]
 
@@ -23,8 +28,10 @@ local results = {}
 for i = 1, #ARGV, 3 do
   local job_id = ARGV[i]
   local job_key = job_prefix .. job_id
-  local job = redis.call('HMGET', job_key, 'state', 'attempts', 'gen')
-  if holds(job, ARGV[i + 1], ARGV[i + 2]) then
+  local job = redis.call('HMGET', job_key, 'state', 'attempts', 'gen', 'cancel')
+  if holds(job, ARGV[i + 1], ARGV[i + 2]) and job[4] then
+    results[#results + 1] = 2
+  elseif holds(job, ARGV[i + 1], ARGV[i + 2]) then
     redis.call('HSET', job_key, 'started', ARGV[i + 1])
     results[#results + 1] = 1
   else

@@ -37,12 +37,13 @@ from django.db import DatabaseError, InterfaceError, connections
 from django.utils import timezone
 
 from .. import mirror
-from ..broker import REDIS_ERRORS, ClaimedJob
+from ..broker import REDIS_ERRORS, Applied, ClaimedJob
 from ..exceptions import AttemptsExhausted, class_path
 from ..faults import crash_point
 from ..handoff import JobBuffer
 from ..mirror import AttemptRecord
 from ..models import AttemptOutcome, JobState
+from ..periodic.scheduler import Scheduler
 from ..redaction import mask_password
 from ..sweep import Sweep
 from ..tasks import discover
@@ -93,6 +94,7 @@ class Worker:
         prefetch: int | None = None,
         progress: Callable[[str], None] | None = None,
         give_up_s: float | None = None,
+        scheduler: bool = True,
     ) -> None:
         self.backend = backend
         self.config = backend.config
@@ -147,6 +149,8 @@ class Worker:
             in_hand=self.in_hand, finisher=self.finisher, redis_outage=self._redis_outage,
             stopping=self._stopping, hard_stop=self._hard_stop, slot_freed=self._slot_freed,
             retry_gate=self.maintenance.retry_gate, pace=self.pace, release=self._release)
+        #: Fires periodic jobs (periodic/scheduler.py); never in a burst run.
+        self.scheduler = Scheduler(backend) if scheduler and not burst else None
         self.lease_keeper = LeaseKeeper(
             broker=self.broker, in_hand=self.in_hand, lease_ms=self.config.LEASE_MS,
             renew_interval_ms=self.config.renew_interval_ms, worker_id=self.worker_id,
@@ -187,6 +191,9 @@ class Worker:
         finisher = self._thread(self.finisher.run, "rj-finisher")
         keeper = self._thread(self.lease_keeper.run, "rj-leases")
         maintenance = self._thread(self.maintenance.run, "rj-maintenance")
+        scheduler = self.scheduler
+        scheduling = (self._thread(lambda: scheduler.run(self._stopping), "rj-scheduler")
+                      if scheduler is not None else None)
         try:
             self._main_loop()
         finally:
@@ -194,6 +201,8 @@ class Worker:
             self.lease_keeper.stop()
             keeper.join(timeout=2.0)
             maintenance.join(timeout=2.0)
+            if scheduling is not None:
+                scheduling.join(timeout=2.0)
             with contextlib.suppress(*REDIS_ERRORS):
                 self.broker.forget_worker(self.worker_id)
             logger.info("Worker %s stopped: %s.", self.worker_id, self._summary())
@@ -264,7 +273,11 @@ class Worker:
                                "and the sweep will recover them.", len(entries), exc)
                 continue
             for (job_id, attempt, gen, started), ok in zip(entries, done, strict=True):
-                if ok and started:
+                if ok == Applied.CANCELLED:  # cancelled while in hand: not handed back
+                    released.append(mirror.cancelled_record(
+                        job_id, attempt, gen=gen, error=f"{mirror.CANCELLED_ERROR} while the "
+                        "worker held it; the worker stopped and did not hand it back"))
+                elif ok and started:
                     released.append(AttemptRecord(
                         job_id=job_id, attempt=attempt, gen=gen, job_state=JobState.QUEUED,
                         finished_at=timezone.now(), outcome=AttemptOutcome.RELEASED,
@@ -407,7 +420,7 @@ class Worker:
         s = self.stats
         return (f"{self._claimed_total} claimed, {s.succeeded} succeeded, {s.failed} failed "
                 f"(retrying), {s.dead} dead, {s.refused} refused as stale, "
-                f"{len(self.in_hand)} in hand")
+                f"{s.cancelled} cancelled, {len(self.in_hand)} in hand")
 
 
 __all__ = ["Worker", "WorkerStats", "default_worker_id"]

@@ -3,6 +3,13 @@
 A job runs only once Redis recorded that it starts (start.lua) and only if
 its lease is still ours; what it did goes to the finisher. Task code runs
 here (or, with a time limit, in a child process started from here).
+
+A job cancelled while it is in hand (the lease keeper sets its
+:class:`~reliable_jobs.cancellation.Cancellation`) ends cancelled whatever
+its task then does: a claim not started yet never runs, a child process is
+killed, a thread task sees ``context.cancelled`` and may stop at a
+checkpoint, or runs to completion; its outcome is recorded as cancelled
+and acked (ack.lua finishes it as cancelled), never retried.
 """
 
 from __future__ import annotations
@@ -19,21 +26,22 @@ from django.db import close_old_connections
 from django.utils import timezone
 
 from .. import payload, retry, telemetry
-from ..broker import REDIS_ERRORS, ClaimedJob
+from ..broker import REDIS_ERRORS, Applied, ClaimedJob
+from ..cancellation import JobContext
 from ..compat import (
-    TaskContext,
     TaskResult,
     TaskResultStatus,
     normalize_json,
     task_finished,
     task_started,
 )
-from ..exceptions import JobTimeout, UnknownTask, class_path
+from ..exceptions import JobCancelled, JobTimeout, UnknownTask, class_path
 from ..faults import crash_point
 from ..handoff import JobBuffer, StartMarks
 from ..isolation import ChildFailed, run_in_child
 from ..keys import logical_queue
-from ..mirror import AttemptRecord
+from ..logformat import log_attempt
+from ..mirror import CANCELLED_ERROR, AttemptRecord, cancelled_record
 from ..models import AttemptOutcome, JobState
 from ..tasks import lookup
 from .backoff import Backoff, Outage
@@ -136,14 +144,26 @@ class Executor:
                 if backoff.wait(self.hard_stop):
                     self.release([(job, False) for job in jobs])
                     return []
-        lost = [job for job, ok in zip(jobs, marked, strict=True) if not ok]
+        lost = [job for job, ok in zip(jobs, marked, strict=True) if ok == Applied.REFUSED]
+        for job, ok in zip(jobs, marked, strict=True):
+            if ok == Applied.CANCELLED:
+                # Cancelled between its claim and its start: never run, ack it
+                # (ack.lua finishes it as cancelled).
+                self.in_hand.done(job)
+                self.finisher.submit(Outcome(cancelled_record(
+                    job.id, job.attempt, gen=job.gen,
+                    error=f"{CANCELLED_ERROR} before it started"),
+                    job=job, delay_ms=None))
+                self.slot_freed.set()
+                logger.info("Job %s attempt %d was cancelled before it started; not running it.",
+                            printable(job.id), job.attempt)
         if lost:
             self.in_hand.drop(lost)
             self.slot_freed.set()
             for job in lost:
                 logger.warning("Job %s attempt %d is no longer held (lease lost before it "
                                "started); not running it.", printable(job.id), job.attempt)
-        return [job for job, ok in zip(jobs, marked, strict=True) if ok]
+        return [job for job, ok in zip(jobs, marked, strict=True) if ok == Applied.DONE]
 
     def _execute(self, job: ClaimedJob) -> None:
         started_at = timezone.now()
@@ -154,6 +174,7 @@ class Executor:
             self.pace.observe((time.perf_counter() - started_clock) * 1000)
 
     def _run_task(self, job: ClaimedJob, started_at: datetime, started_clock: float) -> None:
+        cancellation = self.in_hand.cancellation(job)
         self.finisher.record(AttemptRecord(
             job_id=job.id, attempt=job.attempt, gen=job.gen, job_state=JobState.RUNNING,
             worker_id=self.worker_id, started_at=started_at))
@@ -171,10 +192,32 @@ class Executor:
             result = self._task_result(task, job, decoded, started_at)
             task_started.send(type(self.backend), task_result=result)
             with telemetry.hook.attempt(job, task_path, decoded.trace):
-                value = normalize_json(self._call(task, job, decoded, result))
+                crash_point("in_task")
+                if cancellation.requested():  # since its start mark: do not begin the task
+                    raise JobCancelled("it was cancelled before its task began")
+                timeout_ms = self.backend.task_option(task, "timeout_ms")
+                if timeout_ms:
+                    value = run_in_child(
+                        payload_text=job.payload, job_id=job.id, attempt=job.attempt,
+                        worker_id=self.worker_id, backend=self.backend.alias,
+                        queue=logical_queue(job.queue),
+                        timeout_s=timeout_ms / 1000, cancellation=cancellation,
+                    )
+                elif task.takes_context:
+                    value = task.call(JobContext(task_result=result, cancellation=cancellation),
+                                      *decoded.args, **decoded.kwargs)
+                else:
+                    value = task.call(*decoded.args, **decoded.kwargs)
+            value = normalize_json(value)
         except Exception as exc:
-            self._fail(job, exc, task_path, result, started_at, started_clock)
+            if cancellation.requested():
+                self._cancelled(job, exc, task_path, result, started_at)
+            else:
+                self._fail(job, exc, task_path, result, started_at, started_clock)
         else:
+            if cancellation.requested():
+                self._cancelled(job, None, task_path, result, started_at)
+                return
             finished_at = timezone.now()
             object.__setattr__(result, "status", TaskResultStatus.SUCCESSFUL)
             object.__setattr__(result, "finished_at", finished_at)
@@ -191,25 +234,8 @@ class Executor:
             # second it cost about a quarter of the drain rate. Failures keep
             # their line at the default verbosity.
             if logger.isEnabledFor(logging.DEBUG):
-                logger.debug("Job %s %s attempt %d/%d succeeded in %.1f ms.", printable(job.id),
-                             task_path, job.attempt, job.max_attempts,
-                             (time.perf_counter() - started_clock) * 1000)
-
-    def _call(self, task: Any, job: ClaimedJob, decoded: payload.Payload,
-              result: TaskResult[..., Any]) -> Any:
-        """Run the task (in a child process when it has a time limit); return its value."""
-        crash_point("in_task")
-        timeout_ms = self.backend.task_option(task, "timeout_ms")
-        if timeout_ms:
-            return run_in_child(
-                payload_text=job.payload, job_id=job.id, attempt=job.attempt,
-                worker_id=self.worker_id, backend=self.backend.alias,
-                queue=logical_queue(job.queue),
-                timeout_s=timeout_ms / 1000,
-            )
-        if task.takes_context:
-            return task.call(TaskContext(task_result=result), *decoded.args, **decoded.kwargs)
-        return task.call(*decoded.args, **decoded.kwargs)
+                log_attempt(logging.DEBUG, job, task_path, AttemptOutcome.SUCCEEDED,
+                            (time.perf_counter() - started_clock) * 1000)
 
     def _task_result(self, task: Any, job: ClaimedJob, decoded: payload.Payload,
                      started_at: datetime) -> TaskResult[..., Any]:
@@ -222,6 +248,35 @@ class Executor:
             args=decoded.args, kwargs=decoded.kwargs, backend=self.backend.alias,
             errors=[], worker_ids=[self.worker_id] * job.attempt,
         )
+
+    def _cancelled(self, job: ClaimedJob, exc: BaseException | None, task_path: str,
+                   result: TaskResult[..., Any] | None, started_at: datetime) -> None:
+        """Record an attempt cancelled while it ran, whatever it did then; ack it.
+
+        The ack finishes the job as cancelled in Redis (ack.lua), so it is
+        never retried; the mirror was told first (the row is cancelled).
+        """
+        if isinstance(exc, JobCancelled):
+            how, trace = str(exc), ""
+        elif isinstance(exc, ChildFailed):
+            how, trace = f"the task then raised {exc.class_path}: {exc}", exc.child_traceback
+        elif exc is not None:
+            how = f"the task then raised {class_path(type(exc))}: {exc}"
+            trace = "".join(traceback.format_exception(exc))
+        else:
+            how, trace = "the task ran to completion anyway; its result was discarded", ""
+        record = cancelled_record(job.id, job.attempt, gen=job.gen,
+                                  error=payload.storable_text(
+                                      f"{CANCELLED_ERROR} while it ran; {how}"))
+        record.worker_id, record.started_at = self.worker_id, started_at
+        record.traceback = payload.storable_text(trace)
+        if result is not None:
+            object.__setattr__(result, "status", TaskResultStatus.FAILED)
+            object.__setattr__(result, "finished_at", record.finished_at)
+            task_finished.send(type(self.backend), task_result=result)
+        self.finisher.submit(Outcome(record, job=job, delay_ms=None))
+        took_ms = ((record.finished_at or timezone.now()) - started_at).total_seconds() * 1000
+        log_attempt(logging.INFO, job, task_path, AttemptOutcome.CANCELLED, took_ms, error=how)
 
     def _fail(self, job: ClaimedJob, exc: BaseException, task_path: str,
               result: TaskResult[..., Any] | None, started_at: datetime,
@@ -261,8 +316,7 @@ class Executor:
             task_finished.send(type(self.backend), task_result=result)
         self.finisher.submit(Outcome(record, job=job, delay_ms=delay_ms, task=task_path))
         telemetry.hook.finished(job, task_path, state, time.perf_counter() - started_clock, exc)
-        level = logging.WARNING if state == JobState.DEAD else logging.INFO
-        logger.log(level, "Job %s %s attempt %d/%d failed in %.1f ms: %s; %s.",
-                   printable(job.id), task_path, job.attempt, job.max_attempts,
-                   (time.perf_counter() - started_clock) * 1000, error,
-                   "dead" if state == JobState.DEAD else f"retry in {delay_ms} ms")
+        log_attempt(logging.WARNING if state == JobState.DEAD else logging.INFO, job, task_path,
+                    record.outcome, (time.perf_counter() - started_clock) * 1000,
+                    error=error, retry_in_ms=None if state == JobState.DEAD else delay_ms)
+

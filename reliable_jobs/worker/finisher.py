@@ -5,6 +5,10 @@ batch is committed to the mirror first (retried until it lands), and only
 then acked or nacked in Redis. A job whose outcome reached the mirror is
 never handed back to the queue: if its ack does not land, recover settles
 it from the mirror (see scripts/recover.lua).
+
+A job cancelled while it ran is acked like a success: ack.lua (and nack.lua,
+should the outcome be a failure the worker did not know was cancelled)
+finishes it as cancelled, and the mirror records it so (mirror.py).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from dataclasses import dataclass
 from django.db import DatabaseError, connections
 
 from .. import mirror, retry, telemetry
-from ..broker import REDIS_ERRORS, Broker, ClaimedJob
+from ..broker import REDIS_ERRORS, Applied, Broker, ClaimedJob
 from ..faults import crash_point, raise_point
 from ..mirror import AttemptRecord
 from .backoff import Backoff, Outage
@@ -53,6 +57,8 @@ class WorkerStats:
     failed: int = 0
     dead: int = 0
     refused: int = 0
+    #: Outcomes Redis finished as cancelled (the job was cancelled while it ran).
+    cancelled: int = 0
 
 
 class Finisher:
@@ -198,9 +204,11 @@ class Finisher:
         self._count(acks + nacks, acked + nacked, retried=retried)
         return True
 
-    def _count(self, outcomes: list[Outcome], applied: list[bool], *, retried: bool) -> None:
+    def _count(self, outcomes: list[Outcome], applied: list[Applied], *, retried: bool) -> None:
         for outcome, ok in zip(outcomes, applied, strict=True):
-            if not ok and not retried:
+            if ok == Applied.CANCELLED:
+                self.stats.cancelled += 1
+            elif not ok and not retried:
                 self.stats.refused += 1
                 telemetry.hook.refused(outcome.job.queue if outcome.job else "", outcome.task)
                 logger.warning("Redis refused the outcome of job %s attempt %d: that attempt "

@@ -5,6 +5,11 @@ another thread's lock held across I/O, so a database that hangs, a finisher
 stuck in a transaction or a busy executor never lets a lease expire while
 this process is alive: leases then mean what they promise, that their
 holder is alive.
+
+The renewal's reply also says which jobs staff or code cancelled while they
+ran (extend.lua): the keeper passes that on to the attempt's
+:class:`~reliable_jobs.cancellation.Cancellation` (which kills a task's
+child process, or lets a thread task see it), at no extra round trip.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..broker import REDIS_ERRORS, Broker
+from ..broker import REDIS_ERRORS, Applied, Broker
 from .backoff import Outage
 from .registry import InHand, printable
 
@@ -67,8 +72,14 @@ class LeaseKeeper:
                 self.redis_outage.failed(exc, "renewing leases")
                 ok = False
                 continue
-            lost = [job for job, renewed in zip(jobs, kept, strict=True) if not renewed]
+            lost = [job for job, renewed in zip(jobs, kept, strict=True)
+                    if renewed == Applied.REFUSED]
             self.in_hand.lose(lost)
+            cancelled = [job for job, renewed in zip(jobs, kept, strict=True)
+                         if renewed == Applied.CANCELLED]
+            for job in self.in_hand.cancel(cancelled) if cancelled else ():
+                logger.info("Job %s attempt %d was cancelled while it ran: stopping it.",
+                            printable(job.id), job.attempt)
             for job in lost:
                 logger.warning("Lost the lease of job %s attempt %d: another worker may run "
                                "it; this attempt's outcome will be refused.",

@@ -5,9 +5,10 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..broker import ClaimedJob
+from ..cancellation import Cancellation
 
 #: A job in hand is known by its queue and its fencing token: the same job
 #: claimed again by this worker (its stale attempt still buffered or
@@ -38,6 +39,8 @@ class Held:
     #: Its outcome is in the mirror: never released after this (recover
     #: settles it from the mirror if its ack does not land).
     mirrored: bool = False
+    #: Set by the lease keeper when Redis says the job is to be cancelled.
+    cancellation: Cancellation = field(default_factory=Cancellation)
 
 
 class InHand:
@@ -87,6 +90,22 @@ class InHand:
             if held is not None and not held.done:
                 held.done = True
                 self._done += 1
+
+    def cancellation(self, job: ClaimedJob) -> Cancellation:
+        """The cancel flag of ``job``'s attempt (a fresh one if it is no longer in hand)."""
+        with self._lock:
+            held = self._held.get(held_key(job))
+            return held.cancellation if held is not None else Cancellation()
+
+    def cancel(self, jobs: Iterable[ClaimedJob]) -> list[ClaimedJob]:
+        """Request cancellation of ``jobs``; return those not requested before."""
+        with self._lock:
+            found = [(held.job, held.cancellation) for job in jobs
+                     if (held := self._held.get(held_key(job))) is not None]
+        fresh = [job for job, cancellation in found if not cancellation.requested()]
+        for _, cancellation in found:
+            cancellation.request()  # outside the lock: it runs hooks (kills a child)
+        return fresh
 
     def counts(self) -> tuple[int, int]:
         """(jobs not run yet or running, jobs run and waiting for their ack)."""

@@ -140,3 +140,19 @@ def report_pid_then_sleep(pid_file: str, seconds: float) -> float:
     os.replace(partial, pid_file)  # the test never reads a half-written pid
     time.sleep(seconds)
     return seconds
+
+
+@task(takes_context=True, max_attempts=3)
+def stop_when_cancelled(context: TaskContext[[float], str], seconds: float) -> str:
+    """Work in small steps for ``seconds``, stopping at the first step after a cancel.
+
+    Each step is a checkpoint: ``raise_if_cancelled`` raises JobCancelled
+    once staff or code cancelled the job (reliable_jobs.cancellation).
+    """
+    from reliable_jobs.cancellation import raise_if_cancelled
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        raise_if_cancelled(context)
+        time.sleep(0.02)
+    return "finished"

@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
+from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from reliable_jobs.bench import Figure, measure_at_length, measure_latency, percentile, run_once
+from reliable_jobs.bench import (
+    Figure,
+    Round,
+    measure_ack_cost,
+    measure_at_length,
+    measure_latency,
+    measure_many_queues,
+    percentile,
+    rss_bytes,
+    run_once,
+    sustained,
+)
 from reliable_jobs.management.commands.runworker import (
     add_queue_and_backend_arguments,
     get_backend,
@@ -14,18 +27,30 @@ from reliable_jobs.management.commands.runworker import (
 )
 
 
+def in_flight_depths(text: str) -> list[int]:
+    """``--ack-depths`` as whole numbers (empty to skip)."""
+    depths = [int(x) for x in text.split(",") if x.strip()]
+    if any(depth < 1 for depth in depths):
+        raise CommandError("--ack-depths must be whole numbers >= 1.")
+    return depths
+
+
 class Command(BaseCommand):
     help = (
         "Benchmark: enqueue N no-op jobs in bulk and M one by one (each its own transaction), "
         "then drain them with one worker in this process, mirror on; print jobs/s, the "
-        "median of --runs runs. The queue must be empty. Never run it against production."
+        "median of --runs runs, beside the single enqueue's floor, the ack cost by jobs in "
+        "flight and the drain with many queues configured. --sustained N drains N jobs in "
+        "rounds while pruning instead. The queue must be empty. Never run it against "
+        "production."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--jobs", type=int, default=20_000,
                             help="Jobs enqueued in bulk per run (default: %(default)r).")
         parser.add_argument("--singles", type=int, default=2_000,
-                            help="Jobs enqueued one call each per run (default: %(default)r).")
+                            help="Jobs enqueued one call each per run; the floor is measured "
+                                 "with as many (default: %(default)r).")
         parser.add_argument("--runs", type=int, default=3,
                             help="Runs; the median is shown (default: %(default)r).")
         parser.add_argument("--concurrency", type=int, default=1,
@@ -40,6 +65,23 @@ class Command(BaseCommand):
                             help="Queue lengths at which to measure the drain rate of "
                                  "2,000 jobs and Redis memory per job, comma-separated "
                                  "('' to skip; default: %(default)r).")
+        parser.add_argument("--ack-depths", default="1000,20000",
+                            help="Jobs in flight (claimed, unacked) at which to time acks, "
+                                 "comma-separated; the ratio is last / first ('' to skip; "
+                                 "default: %(default)r).")
+        parser.add_argument("--ack-sample", type=int, default=1_000,
+                            help="Acks timed at each depth (default: %(default)r).")
+        parser.add_argument("--many-queues", type=int, default=500,
+                            help="Queues configured for the many-queues drain, work on one "
+                                 "(0 to skip; default: %(default)r).")
+        parser.add_argument("--sustained", type=int, default=0, metavar="N",
+                            help="Instead of the above: run N jobs through one long-lived "
+                                 "worker in rounds of --jobs, pruning with "
+                                 "--retention-minutes between rounds; print each round "
+                                 "(default: off).")
+        parser.add_argument("--retention-minutes", type=float, default=10.0,
+                            help="--sustained: prune jobs finished this long ago "
+                                 "(default: %(default)r).")
         add_queue_and_backend_arguments(parser)
 
     def handle(self, *args: Any, **options: Any) -> None:
@@ -50,24 +92,23 @@ class Command(BaseCommand):
             raise CommandError(f"Queue {queue!r} is not in the backend's QUEUES.")
         if min(options["jobs"], options["runs"], options["concurrency"]) < 1:
             raise CommandError("--jobs, --runs and --concurrency must be at least 1.")
+        if options["sustained"] < 0 or options["retention_minutes"] < 0:
+            raise CommandError("--sustained and --retention-minutes must be >= 0.")
+        depths = in_flight_depths(options["ack_depths"])
         counts = backend.broker.counts(queue)
         if counts.queued or counts.running or counts.scheduled:
             raise CommandError(
                 f"Queue {queue!r} is not empty ({counts}); benchmark on an idle queue."
             )
-        rates: dict[str, list[float]] = {}
-        for run in range(1, options["runs"] + 1):
-            measured = run_once(backend, queue, jobs=options["jobs"],
-                                singles=options["singles"], concurrency=options["concurrency"],
-                                prefetch=options["prefetch"])
-            for name, rate in measured.items():
-                rates.setdefault(name, []).append(rate)
-            self.stdout.write(f"run {run}/{options['runs']}: " + ", ".join(
-                f"{name} {rate:,.0f}/s" for name, rate in measured.items()))
-        self.stdout.write(f"\n{options['jobs']:,} bulk + {options['singles']:,} single jobs, "
-                          f"{options['concurrency']} thread(s), median of {options['runs']}:")
-        for name, values in rates.items():
-            self.stdout.write(Figure(name, values).row())
+        if settings.DEBUG:
+            self.stderr.write(
+                "DEBUG is on: Django keeps the SQL of the last 9,000 queries of every "
+                "connection, which costs time and grows the RSS (about 70 MiB over 200,000 "
+                "jobs in --sustained); measure with DEBUG off.")
+        if options["sustained"]:
+            self._sustained(backend, queue, options)
+            return
+        self._runs(backend, queue, options)
         if options["latency_samples"] > 0:
             latencies = measure_latency(backend, queue, samples=options["latency_samples"])
             self.stdout.write(
@@ -81,3 +122,72 @@ class Command(BaseCommand):
             rate, per_job = measure_at_length(backend, queue, waiting=length, window=2_000,
                                               prefetch=options["prefetch"])
             self.stdout.write(f"{length:>12,}   {rate:>12,.0f} jobs/s   {per_job:>12,.0f}")
+        if depths:
+            self._ack_costs(backend, queue, depths, options["ack_sample"])
+        if options["many_queues"] > 1:
+            one, many = measure_many_queues(backend, queue, jobs=options["jobs"],
+                                            queues=options["many_queues"],
+                                            prefetch=options["prefetch"])
+            self.stdout.write(
+                f"\n{options['many_queues']} queues configured, work on one: drain "
+                f"{many:,.0f} jobs/s vs {one:,.0f} jobs/s with one queue ({many / one:.0%}; "
+                f"{options['jobs']:,} jobs each)")
+
+    def _runs(self, backend: Any, queue: str, options: dict[str, Any]) -> None:
+        rates: dict[str, list[float]] = {}
+        for run in range(1, options["runs"] + 1):
+            measured = run_once(backend, queue, jobs=options["jobs"],
+                                singles=options["singles"], concurrency=options["concurrency"],
+                                prefetch=options["prefetch"])
+            for name, rate in measured.items():
+                rates.setdefault(name, []).append(rate)
+            self.stdout.write(f"run {run}/{options['runs']}: " + ", ".join(
+                f"{name} {rate:,.0f}" + ("" if "µs" in name else "/s")
+                for name, rate in measured.items()))
+        self.stdout.write(f"\n{options['jobs']:,} bulk + {options['singles']:,} single jobs, "
+                          f"{options['concurrency']} thread(s), median of {options['runs']}:")
+        for name, values in rates.items():
+            if "µs" in name:
+                self.stdout.write(Figure(name, values, unit="µs").row())
+            else:
+                self.stdout.write(Figure(name, values).row())
+        single = Figure("", rates["single enqueue"]).median
+        floor = Figure("", rates["single enqueue floor"]).median
+        if single and floor:
+            self.stdout.write(
+                f"single enqueue floor: raw INSERT (autocommit) + one EVALSHA from this "
+                f"process, {floor:,.0f} jobs/s; enqueue takes {floor / single:.2f}x the "
+                f"floor's time per job")
+
+    def _ack_costs(self, backend: Any, queue: str, depths: list[int], sample: int) -> None:
+        self.stdout.write("\njobs in flight   ack µs per job   (4 workers' claims, "
+                          f"{sample:,} acks timed)")
+        costs = []
+        for depth in depths:
+            cost = measure_ack_cost(backend, queue, in_flight=depth, sample=min(sample, depth))
+            costs.append(cost)
+            self.stdout.write(f"{depth:>14,}   {cost:>14.1f}")
+        if len(costs) > 1:
+            self.stdout.write(f"ratio {depths[-1]:,} / {depths[0]:,} in flight: "
+                              f"{costs[-1] / costs[0]:.2f}")
+
+    def _sustained(self, backend: Any, queue: str, options: dict[str, Any]) -> None:
+        start_rss = rss_bytes()
+        self.stdout.write(
+            f"sustained: {options['sustained']:,} jobs in rounds of {options['jobs']:,}, "
+            f"pruning jobs finished over {options['retention_minutes']:g} min ago; worker "
+            f"RSS at start {start_rss / 2**20:,.1f} MiB\n"
+            "    jobs done   enqueue+drain jobs/s   pruned   prune s   job rows   table MiB   "
+            "RSS MiB")
+
+        def report(done: Round) -> None:
+            self.stdout.write(
+                f"{done.jobs_done:>13,}   {done.rate:>20,.0f}   {done.pruned:>6,}   "
+                f"{done.prune_s:>7.2f}   {done.table_rows:>8,}   "
+                f"{done.table_bytes / 2**20:>9,.1f}   {done.rss_bytes / 2**20:>7,.1f}")
+
+        sustained(backend, queue, total=options["sustained"], per_round=options["jobs"],
+                  retention=timedelta(minutes=options["retention_minutes"]),
+                  prefetch=options["prefetch"], report=report)
+        self.stdout.write(f"worker RSS at start {start_rss / 2**20:,.1f} MiB, at the end "
+                          f"{rss_bytes() / 2**20:,.1f} MiB")

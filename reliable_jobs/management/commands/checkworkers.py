@@ -41,8 +41,8 @@ class Command(BaseCommand):
                             help="Queue to check; repeat or separate with commas "
                                  "(default: every queue of the backend).")
         parser.add_argument("--max-latency", type=float, default=None, metavar="SECONDS",
-                            help="Fail when a queue's oldest waiting job is older than this "
-                                 "(default: no limit).")
+                            help="Fail when a queue's oldest ready job (or oldest due "
+                                 "scheduled job) waited longer (default: no limit).")
         parser.add_argument("--min-workers", type=int, default=1, metavar="N",
                             help="Fail when a queue has fewer live workers "
                                  "(default: %(default)r).")

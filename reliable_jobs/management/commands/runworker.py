@@ -7,9 +7,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from reliable_jobs import metrics
+from reliable_jobs import logformat, metrics
 from reliable_jobs.backend import ReliableJobsBackend
 from reliable_jobs.compat import (
     DEFAULT_TASK_BACKEND_ALIAS,
@@ -37,7 +38,7 @@ def get_backend(alias: str) -> ReliableJobsBackend:
     return backend
 
 
-def configure_logging(verbosity: int) -> None:
+def configure_logging(verbosity: int, log_format: str = "text") -> None:
     """Map ``-v`` onto the reliable_jobs loggers, printing to stderr.
 
     Django's own ``django.tasks`` logger (``django_tasks`` with the backport)
@@ -46,14 +47,18 @@ def configure_logging(verbosity: int) -> None:
     just held to WARNING: it logs every failed attempt at ERROR with the
     full traceback, beside our one line that already names the error (the
     traceback is kept in the job's attempt, shown in the admin).
+    ``log_format`` "json" prints JSON lines (see reliable_jobs.logformat),
+    through the handlers the project gave the reliable_jobs logger, if any.
     """
     logger = logging.getLogger("reliable_jobs")
     logger.setLevel(VERBOSITY_LEVELS.get(verbosity, logging.DEBUG))
     logging.getLogger(TASKS_LOGGER).setLevel(
         logging.DEBUG if verbosity >= 2 else logging.CRITICAL + 1)
-    if not logger.handlers and not logging.getLogger().handlers:
+    if log_format == "json":
+        logformat.use_json_lines(logger)
+    elif not logger.handlers and not logging.getLogger().handlers:
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        handler.setFormatter(logging.Formatter(logformat.TEXT_FORMAT))
         logger.addHandler(handler)
 
 
@@ -105,6 +110,10 @@ class Command(BaseCommand):
         parser.add_argument("--grace", type=float, default=30.0,
                             help="Seconds running jobs get to finish after the first "
                                  "SIGTERM (default: %(default)r).")
+        parser.add_argument("--no-scheduler", action="store_false", dest="scheduler",
+                            help="Do not fire periodic jobs from this worker (by default every "
+                                 "worker runs a scheduler; each slot is enqueued once however "
+                                 "many do).")
         parser.add_argument("--processes", type=int, default=1,
                             help="Worker processes, each running --concurrency threads. Above "
                                  "1 this process supervises them: it restarts one that fails "
@@ -122,9 +131,18 @@ class Command(BaseCommand):
                             help="Touch PATH every few seconds while the claim loop runs, for "
                                  "a liveness probe on its age; with --processes every process "
                                  "touches it (default: none).")
+        parser.add_argument("--log-format", choices=logformat.LOG_FORMATS, default=None,
+                            help="'text' lines, or 'json' lines (one object per line, with "
+                                 "each attempt's fields) for log shippers (default: "
+                                 "settings.RELIABLE_JOBS_LOG_FORMAT, or 'text').")
 
     def handle(self, *args: Any, **options: Any) -> None:
-        configure_logging(options["verbosity"])
+        log_format = options["log_format"] or getattr(settings, "RELIABLE_JOBS_LOG_FORMAT",
+                                                      "text")
+        if log_format not in logformat.LOG_FORMATS:
+            raise CommandError(f"RELIABLE_JOBS_LOG_FORMAT must be 'text' or 'json', not "
+                               f"{log_format!r}.")
+        configure_logging(options["verbosity"], log_format)
         backend = get_backend(options["backend"])
         if backend.config.problems:
             raise CommandError(" ".join(message for _, message in backend.config.problems))
@@ -169,6 +187,7 @@ class Command(BaseCommand):
             max_jobs=options["max_jobs"], grace_s=options["grace"],
             prefetch=options["prefetch"], progress=progress,
             give_up_s=options["burst_give_up"] if options["burst"] else None,
+            scheduler=options["scheduler"],
         )
         worker.install_signal_handlers()
         if port is not None:
