@@ -31,7 +31,7 @@ from django.db import transaction
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
-from . import conf, payload
+from . import conf, payload, telemetry
 from .broker import REDIS_ERRORS, Broker, NewJob, epoch_ms
 from .compat import (
     BaseTaskBackend,
@@ -128,13 +128,18 @@ class ReliableJobsBackend(BaseTaskBackend):
         For a task with ``unique_for_ms``, an equal call's unfinished job
         (see ``unique.py``) is returned instead of a new one.
         """
+        with telemetry.hook.enqueue(task.queue_name, task.module_path, 1) as trace:
+            return self._enqueue(task, args, kwargs, trace)
+
+    def _enqueue(self, task: Task[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
+                 trace: str | None) -> TaskResult[..., Any]:
         self._raise_if_misconfigured()  # first: E009 before any model import
         self.validate_task(task)
         ensure_reachable(task)
         from . import mirror  # not at module level: see the module docstring
 
         text = payload.encode(task.module_path, tuple(args), dict(kwargs),
-                              max_bytes=self.config.MAX_PAYLOAD_BYTES)
+                              max_bytes=self.config.MAX_PAYLOAD_BYTES, trace=trace)
         now = timezone.now()
         job = mirror_job(self.alias, task, args, kwargs,
                          max_attempts=self.task_option(task, "max_attempts"), now=now,
@@ -159,6 +164,13 @@ class ReliableJobsBackend(BaseTaskBackend):
         for the mirror's COPY (text made once by the payload encoder), a
         ``NewJob`` and its ``TaskResult``.
         """
+        calls = list(calls)
+        with telemetry.hook.enqueue(task.queue_name, task.module_path, len(calls)) as trace:
+            return self._enqueue_many(task, calls, trace)
+
+    def _enqueue_many(self, task: Task[..., Any],
+                      calls: list[tuple[Sequence[Any], dict[str, Any]]],
+                      trace: str | None) -> list[TaskResult[..., Any]]:
         self._raise_if_misconfigured()
         self.validate_task(task)
         ensure_reachable(task)
@@ -172,7 +184,7 @@ class ReliableJobsBackend(BaseTaskBackend):
             made: list[tuple[Any, NewJob]] = []
             for args, kwargs in calls:
                 text = payload.encode(task.module_path, tuple(args), dict(kwargs),
-                                      max_bytes=self.config.MAX_PAYLOAD_BYTES)
+                                      max_bytes=self.config.MAX_PAYLOAD_BYTES, trace=trace)
                 job = mirror_job(self.alias, task, args, kwargs, max_attempts=max_attempts,
                                  now=now, shard=self._pick_shard(task.queue_name))
                 made.append((job, NewJob(str(job.id), text, max_attempts, due_ms=due_ms)))
@@ -180,7 +192,8 @@ class ReliableJobsBackend(BaseTaskBackend):
         state = (JobState.SCHEDULED if task.run_after is not None and task.run_after > now
                  else JobState.QUEUED)
         status = TASK_STATUS[state]
-        encode = payload.CallEncoder(task.module_path, max_bytes=self.config.MAX_PAYLOAD_BYTES)
+        encode = payload.CallEncoder(task.module_path, max_bytes=self.config.MAX_PAYLOAD_BYTES,
+                                     trace=trace)
         rows: list[tuple[str, int, str, str]] = []
         by_shard: dict[str, list[NewJob]] = defaultdict(list)
         results: list[TaskResult[..., Any]] = []

@@ -22,6 +22,8 @@ enqueue failing in production. Ids:
 - W002 REDIS_URL not set (absent, None or empty: usually an environment
   variable that is missing), so the default URL is used.
 - E014 settings.RELIABLE_JOBS_LOG_FORMAT is neither "text" nor "json".
+- W020 the metrics view is mounted but prometheus_client is not installed
+  (registered by ``metrics.py``).
 
 Nothing here runs at import: a missing or unreachable Redis is reported by
 ``manage.py check``, never raised while settings or apps load.
