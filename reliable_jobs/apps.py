@@ -10,4 +10,10 @@ class ReliableJobsConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from . import checks  # noqa: F401 - registers the deployment checks
+        from . import checks, metrics, tracing  # noqa: F401 - checks registers the checks
+
+        # Counting and tracing start with the process (a counter begun at the
+        # first scrape would miss what came before it); each is a no-op when
+        # its library is not installed.
+        metrics.install()
+        tracing.install()

@@ -31,10 +31,11 @@ from django.db import transaction
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
-from . import conf, payload
+from . import conf, payload, telemetry
 from .broker import REDIS_ERRORS, Broker, NewJob, epoch_ms
 from .compat import (
     BaseTaskBackend,
+    InvalidTask,
     Task,
     TaskError,
     TaskResult,
@@ -124,21 +125,32 @@ class ReliableJobsBackend(BaseTaskBackend):
     def enqueue(  # type: ignore[override]  # results are typed per task in the stubs only
             self, task: Task[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
     ) -> TaskResult[..., Any]:
-        """Write the job row now and push it to Redis when the transaction commits."""
+        """Write the job row now and push it to Redis when the transaction commits.
+
+        For a task with ``unique_for_ms``, an equal call's unfinished job
+        (see ``unique.py``) is returned instead of a new one.
+        """
+        with telemetry.hook.enqueue(task.queue_name, task.module_path, 1) as trace:
+            return self._enqueue(task, args, kwargs, trace)
+
+    def _enqueue(self, task: Task[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
+                 trace: str | None) -> TaskResult[..., Any]:
         self._raise_if_misconfigured()  # first: E009 before any model import
         self.validate_task(task)
         ensure_reachable(task)
         from . import mirror  # not at module level: see the module docstring
 
         text = payload.encode(task.module_path, tuple(args), dict(kwargs),
-                              max_bytes=self.config.MAX_PAYLOAD_BYTES)
+                              max_bytes=self.config.MAX_PAYLOAD_BYTES, trace=trace)
         now = timezone.now()
         job = mirror_job(self.alias, task, args, kwargs,
                          max_attempts=self.task_option(task, "max_attempts"), now=now,
                          shard=self._pick_shard(task.queue_name))
-        mirror.insert_job(self.database, job)
         new_job = NewJob(str(job.id), text, job.max_attempts, due_ms=epoch_ms(task.run_after),
                          priority=task.priority)
+        if getattr(task, "unique_for_ms", None) is not None:
+            return self._enqueue_unique(task, [(job, new_job)], now=now)[0]
+        mirror.insert_job(self.database, job)
         physical = job.physical_queue
         transaction.on_commit(lambda: self._push(physical, [new_job]), using=self.database)
         result = self._result(job, task)
@@ -155,6 +167,13 @@ class ReliableJobsBackend(BaseTaskBackend):
         for the mirror's COPY (text made once by the payload encoder), a
         ``NewJob`` and its ``TaskResult``.
         """
+        calls = list(calls)
+        with telemetry.hook.enqueue(task.queue_name, task.module_path, len(calls)) as trace:
+            return self._enqueue_many(task, calls, trace)
+
+    def _enqueue_many(self, task: Task[..., Any],
+                      calls: list[tuple[Sequence[Any], dict[str, Any]]],
+                      trace: str | None) -> list[TaskResult[..., Any]]:
         self._raise_if_misconfigured()
         self.validate_task(task)
         ensure_reachable(task)
@@ -164,23 +183,33 @@ class ReliableJobsBackend(BaseTaskBackend):
         now = timezone.now()
         max_attempts = self.task_option(task, "max_attempts")
         due_ms = epoch_ms(task.run_after)
+        if getattr(task, "unique_for_ms", None) is not None:
+            made: list[tuple[Any, NewJob]] = []
+            for args, kwargs in calls:
+                text = payload.encode(task.module_path, tuple(args), dict(kwargs),
+                                      max_bytes=self.config.MAX_PAYLOAD_BYTES, trace=trace)
+                job = mirror_job(self.alias, task, args, kwargs, max_attempts=max_attempts,
+                                 now=now, shard=self._pick_shard(task.queue_name))
+                made.append((job, NewJob(str(job.id), text, max_attempts, due_ms=due_ms,
+                                         priority=task.priority)))
+            return self._enqueue_unique(task, made, now=now)
         state = (JobState.SCHEDULED if task.run_after is not None and task.run_after > now
                  else JobState.QUEUED)
         status = TASK_STATUS[state]
-        shards = self.config.SHARDS.get(task.queue_name, 1)
-        encode = payload.CallEncoder(task.module_path, max_bytes=self.config.MAX_PAYLOAD_BYTES)
+        encode = payload.CallEncoder(task.module_path, max_bytes=self.config.MAX_PAYLOAD_BYTES,
+                                     trace=trace)
         rows: list[tuple[str, int, str, str]] = []
-        by_shard: dict[int, list[NewJob]] = defaultdict(list)
+        by_shard: dict[str, list[NewJob]] = defaultdict(list)
         results: list[TaskResult[..., Any]] = []
         ids = _new_job_ids()
         for call_args, call_kwargs in calls:
             args, kwargs = list(call_args), dict(call_kwargs)
             text, args_json, kwargs_json = encode(args, kwargs)
             job_id = next(ids)
-            shard = random.randrange(shards) if shards > 1 else 0
+            shard = self._pick_shard(task.queue_name)
             rows.append((job_id, shard, args_json, kwargs_json))
-            by_shard[shard].append(NewJob(job_id, text, max_attempts, due_ms,
-                                             priority=task.priority))
+            by_shard[shard_queue(task.queue_name, shard)].append(
+                NewJob(job_id, text, max_attempts, due_ms, priority=task.priority))
             results.append(TaskResult(
                 task=task, id=job_id, status=status, enqueued_at=now, started_at=None,
                 finished_at=None, last_attempted_at=None, args=args, kwargs=kwargs,
@@ -191,17 +220,57 @@ class ReliableJobsBackend(BaseTaskBackend):
             run_after=task.run_after, enqueued_at=now, rows=rows)
         with transaction.atomic(using=self.database):
             mirror.insert_new_jobs(self.database, new)
-
-            def push() -> None:
-                for shard, new_jobs in by_shard.items():
-                    physical = shard_queue(task.queue_name, shard)
-                    for start in range(0, len(new_jobs), 1000):
-                        self._push(physical, new_jobs[start:start + 1000])
-
-            transaction.on_commit(push, using=self.database)
+            self._push_on_commit(by_shard)
         for result in results:
             task_enqueued.send(type(self), task_result=result)
         return results
+
+    def _enqueue_unique(self, task: Task[..., Any], made: list[tuple[Any, NewJob]], *,
+                        now: datetime) -> list[TaskResult[..., Any]]:
+        """Enqueue calls of a unique task: each gets its new job, or the unfinished equal one.
+
+        The rows and the check are in the caller's transaction, if any, so a
+        rolled-back enqueue frees the key; only jobs that were inserted are
+        pushed, on commit, and signalled.
+        """
+        from . import mirror, unique  # see enqueue()
+
+        assert isinstance(task, ReliableTask)  # unique_for_ms is one of its options
+        problem = unique.database_problem(self.database)
+        if problem:
+            raise InvalidTask(problem)
+        for job, _ in made:
+            job.unique_key = unique.key_for(task, self.alias, job.args, job.kwargs)
+        # No transaction of our own: inside the caller's, everything is in it;
+        # outside one, each statement commits by itself, which is enough (the
+        # index judges each INSERT, and a stale key given up stays given up),
+        # and the push follows the rows' commit.
+        holders = mirror.insert_unique_jobs(
+            self.database, [job for job, _ in made], window_ms=task.unique_for_ms or 0,
+            while_running=task.unique_while_running, now=now)
+        by_shard: dict[str, list[NewJob]] = defaultdict(list)
+        for (job, new_job), holder in zip(made, holders, strict=True):
+            if holder is job:
+                by_shard[job.physical_queue].append(new_job)
+        if by_shard:
+            self._push_on_commit(by_shard)
+        results: dict[Any, TaskResult[..., Any]] = {}
+        for (job, _), holder in zip(made, holders, strict=True):
+            if holder.pk not in results:
+                results[holder.pk] = self._result(holder, task)
+                if holder is job:
+                    task_enqueued.send(type(self), task_result=results[holder.pk])
+        return [results[holder.pk] for holder in holders]
+
+    def _push_on_commit(self, by_shard: dict[str, list[NewJob]]) -> None:
+        """Push jobs (by physical queue) once the transaction commits, 1,000 per script call."""
+
+        def push() -> None:
+            for physical, new_jobs in by_shard.items():
+                for start in range(0, len(new_jobs), 1000):
+                    self._push(physical, new_jobs[start:start + 1000])
+
+        transaction.on_commit(push, using=self.database)
 
     def _pick_shard(self, queue: str) -> int:
         """A random shard of ``queue``: producers spread jobs, workers drain all shards."""
@@ -222,8 +291,6 @@ class ReliableJobsBackend(BaseTaskBackend):
     def validate_task(self, task: Task[..., Any]) -> None:
         super().validate_task(task)
         if not is_valid_queue_name(task.queue_name):
-            from .compat import InvalidTask
-
             raise InvalidTask(
                 f"Queue name {task.queue_name!r} cannot be used in Redis keys: use 1 to 100 "
                 "letters, digits, '.', '_' or '-'."

@@ -13,12 +13,17 @@ enqueue failing in production. Ids:
   zone, policy, arguments); E012 a schedule naming a task no worker runs,
   or a queue the backend does not serve; E013 a schedule name declared twice
   differently.
+- E015 a unique task (``unique_for_ms``) whose backend's database has no
+  partial unique indexes (MySQL, MariaDB, Oracle): equal calls would not be
+  deduplicated.
 - W001 Redis does not answer (a warning: it may start after the web app).
 - W003 Redis may evict keys (maxmemory-policy is not noeviction); a
   deployment check (``check --deploy``).
 - W002 REDIS_URL not set (absent, None or empty: usually an environment
   variable that is missing), so the default URL is used.
 - E014 settings.RELIABLE_JOBS_LOG_FORMAT is neither "text" nor "json".
+- W020 the metrics view is mounted but prometheus_client is not installed
+  (registered by ``metrics.py``).
 
 Nothing here runs at import: a missing or unreachable Redis is reported by
 ``manage.py check``, never raised while settings or apps load.
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from django.conf import settings
 from django.core import checks
 from redis.exceptions import ResponseError
 
@@ -73,6 +79,8 @@ def check_backend(backend: ReliableJobsBackend) -> list[checks.CheckMessage]:
                  "other's jobs.",
             id="reliable_jobs.W002",
         ))
+    if backend.config.DATABASE in settings.DATABASES:  # else E008 said so
+        messages += _check_unique_tasks(where, backend)
     if not any(m.id == "reliable_jobs.E002" for m in messages):
         messages += _check_reachable(where, backend.config.REDIS_URL)
     return messages
@@ -127,6 +135,28 @@ def apps_ready() -> bool:
     from django.apps import apps
 
     return apps.ready and apps.is_installed("reliable_jobs")
+
+
+def _check_unique_tasks(where: str, backend: ReliableJobsBackend) -> list[checks.CheckMessage]:
+    """E015 when a unique task's jobs go to a database without partial indexes.
+
+    Only tasks imported by the time ``check`` runs are seen; enqueue refuses
+    the others with the same message.
+    """
+    from .tasks import ReliableTask, registered
+    from .unique import database_problem
+
+    unique = sorted(task.module_path for task in registered()
+                    if isinstance(task, ReliableTask) and task.backend == backend.alias
+                    and task.unique_for_ms is not None)
+    problem = database_problem(backend.database) if unique else None
+    if problem is None:
+        return []
+    return [checks.Error(
+        f"{where}: {problem}",
+        hint=f"Unique tasks: {', '.join(unique)}.",
+        id="reliable_jobs.E015",
+    )]
 
 
 def _check_reachable(where: str, url: str) -> list[checks.CheckMessage]:

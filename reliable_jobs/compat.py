@@ -29,6 +29,8 @@ import django
 if TYPE_CHECKING:
     from django.utils.functional import _StrOrPromise as StrOrPromise
 
+    from .unique import UniqueBy
+
 _Action = TypeVar("_Action", bound=Callable[..., Any])
 
 __all__ = [
@@ -81,7 +83,7 @@ if TYPE_CHECKING:
 
     class _TaskDecorator(Protocol):
         """django.tasks.task as the stubs type it, plus ReliableTask's options
-        (which task() passes on to the backend's task_class)."""
+        (which task() passes on to the backend's task_class), unique ones included."""
 
         @overload
         def __call__[**P, R](
@@ -90,6 +92,8 @@ if TYPE_CHECKING:
             backend: str | None = None, takes_context: Literal[True],
             max_attempts: int | None = None, retry_base_ms: int | None = None,
             retry_max_ms: int | None = None, timeout_ms: int | None = None,
+            unique_for_ms: int | None = None, unique_by: UniqueBy | None = None,
+            unique_while_running: bool = False,
         ) -> Task[P, R]: ...
         @overload
         def __call__[**P, R](
@@ -98,6 +102,8 @@ if TYPE_CHECKING:
             backend: str | None = None, takes_context: Literal[False] = False,
             max_attempts: int | None = None, retry_base_ms: int | None = None,
             retry_max_ms: int | None = None, timeout_ms: int | None = None,
+            unique_for_ms: int | None = None, unique_by: UniqueBy | None = None,
+            unique_while_running: bool = False,
         ) -> Task[P, R]: ...
         @overload
         def __call__[**P, R](
@@ -106,6 +112,8 @@ if TYPE_CHECKING:
             backend: str | None = None, takes_context: Literal[True],
             max_attempts: int | None = None, retry_base_ms: int | None = None,
             retry_max_ms: int | None = None, timeout_ms: int | None = None,
+            unique_for_ms: int | None = None, unique_by: UniqueBy | None = None,
+            unique_while_running: bool = False,
         ) -> Callable[[Callable[Concatenate[TaskContext[Any, Any], P], R]], Task[P, R]]: ...
         @overload
         def __call__[**P, R](
@@ -114,6 +122,8 @@ if TYPE_CHECKING:
             backend: str | None = None, takes_context: Literal[False] = False,
             max_attempts: int | None = None, retry_base_ms: int | None = None,
             retry_max_ms: int | None = None, timeout_ms: int | None = None,
+            unique_for_ms: int | None = None, unique_by: UniqueBy | None = None,
+            unique_while_running: bool = False,
         ) -> Callable[[Callable[P, R]], Task[P, R]]: ...
 
     task: _TaskDecorator

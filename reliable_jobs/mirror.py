@@ -20,6 +20,12 @@ final:
   either succeeded (its outcome reached the mirror first, and the cancel
   is refused) or cancelled, never both.
 
+A unique job's key (``Job.unique_key``) counts only while the row is
+unfinished (the partial index rj_job_unique_key), so every write here that
+ends a job frees its key with the same UPDATE, at no extra cost; the one
+write that makes a finished job unfinished again (:func:`mark_queued_again`)
+clears the key first, and :func:`insert_unique_jobs` is the only reader.
+
 Worker writes arrive in batches (one transaction per batch); a failed batch
 is retried by the caller, never dropped, and the Redis ack waits for it.
 """
@@ -31,9 +37,10 @@ import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from functools import lru_cache
 from typing import Any
 
-from django.db import connections, transaction
+from django.db import IntegrityError, connections, transaction
 from django.db.models import Max, Q
 from django.db.models.functions import Coalesce, Greatest
 from django.utils import timezone
@@ -192,6 +199,145 @@ def insert_new_jobs(using: str, new: NewJobs) -> None:
                 f"{kwargs.replace(BACKSLASH, ESCAPED)}\t{shared}\n"
                 for job_id, shard, args, kwargs in rows[start:start + 1000]
             ]))
+
+
+#: Rounds of insert, look-up and release insert_unique_jobs makes before it
+#: gives up: each round ends with every job inserted or its key's holder
+#: found, unless a holder finished or went stale in between; two suffice
+#: unless the rows keep changing under it.
+_UNIQUE_ROUNDS = 5
+_UNIQUE_COLUMNS = (*_COPY_COLUMNS, "unique_key")
+#: Rows per INSERT of insert_unique_jobs on PostgreSQL (17 parameters each).
+_UNIQUE_BATCH = 500
+
+
+def insert_unique_jobs(using: str, jobs: Sequence[Job], *, window_ms: int,
+                       while_running: bool, now: datetime) -> list[Job]:
+    """Insert each job unless an unfinished job holds its ``unique_key``.
+
+    Returns, per job in order, the job that holds its key: the job itself
+    when it was inserted, the earlier job otherwise (an earlier one of
+    ``jobs`` with the same key counts too). Runs in the caller's
+    transaction, if any (each statement commits by itself otherwise): the
+    rj_job_unique_key index is the judge, so of two transactions inserting
+    one key the second waits for the first, and takes the key itself if the
+    first rolls back.
+
+    A holder counts while it is queued or scheduled (running too with
+    ``while_running``) and its window lasts: ``window_ms`` from its enqueue,
+    or from its run_after when that is later. One that no longer counts
+    gives its key up here (the row keeps its state; the caller's
+    transaction holds its lock until it ends), and the job is inserted in
+    its place.
+    """
+    firsts: dict[str, Job] = {}
+    for job in jobs:
+        if not job.unique_key:
+            raise ValueError(f"Job {job.pk} has no unique_key.")
+        firsts.setdefault(job.unique_key, job)
+    holders: dict[str, Job] = {}
+    pending = list(firsts.values())
+    window = timedelta(milliseconds=window_ms)
+    for _ in range(_UNIQUE_ROUNDS):
+        inserted = _insert_ignoring_conflicts(using, pending)
+        holders.update((str(job.unique_key), job) for job in pending if job.pk in inserted)
+        taken = [job for job in pending if job.pk not in inserted]
+        if not taken:
+            break
+        found = _key_holders(using, [str(job.unique_key) for job in taken])
+        pending, stale = [], []
+        for job in taken:
+            row = found.get(str(job.unique_key))
+            if row is not None and _holds_key(row, window, while_running, now):
+                holders[str(job.unique_key)] = row
+                continue
+            if row is not None:
+                stale.append(row.pk)
+            pending.append(job)  # the holder finished in between, or is stale: try again
+        _release_keys(using, stale)
+        if not pending:
+            break
+    else:
+        raise RuntimeError(
+            f"Could not settle the unique keys of {len(pending)} job(s) in {_UNIQUE_ROUNDS} "
+            "rounds: their holders kept changing. Enqueue them again.")
+    return [holders[str(job.unique_key)] for job in jobs]
+
+
+#: The unfinished jobs holding some keys: a ready-made statement, as the plain
+#: INSERT is (the ORM built it each time, most of a duplicate enqueue's cost).
+_PG_KEY_HOLDERS = (f"SELECT * FROM {Job._meta.db_table} WHERE unique_key = ANY(%s) AND state IN ("
+                   + ", ".join(f"'{state}'" for state in UNFINISHED_STATES) + ")")
+
+
+def _key_holders(using: str, keys: Sequence[str]) -> dict[str, Job]:
+    """The unfinished job holding each of ``keys`` (those held), by key.
+
+    A new statement: under READ COMMITTED it sees the holder whose commit
+    the INSERT waited for (an INSERT ... RETURNING could not).
+    """
+    if connections[using].vendor == "postgresql":
+        rows: Iterable[Job] = Job.objects.using(using).raw(_PG_KEY_HOLDERS, [list(keys)])
+    else:
+        rows = (row for chunk in _chunks(keys) for row in Job.objects.using(using).filter(
+            unique_key__in=chunk, state__in=UNFINISHED_STATES).order_by())
+    return {str(row.unique_key): row for row in rows}
+
+
+def _holds_key(row: Job, window: timedelta, while_running: bool, now: datetime) -> bool:
+    """Whether an unfinished job still holds its unique key for an equal call."""
+    if row.state == JobState.RUNNING and not while_running:
+        return False
+    start = max(row.enqueued_at, row.run_after) if row.run_after else row.enqueued_at
+    return start + window > now
+
+
+def _insert_ignoring_conflicts(using: str, jobs: Sequence[Job]) -> set[uuid.UUID]:
+    """Insert those of ``jobs`` whose unique key is free; return the ids inserted.
+
+    PostgreSQL: INSERT ... ON CONFLICT DO NOTHING RETURNING id. Elsewhere:
+    one savepoint per row, a unique violation rolled back to it, which works
+    on every database Django supports.
+    """
+    inserted: set[uuid.UUID] = set()
+    connection = connections[using]
+    if connection.vendor != "postgresql":
+        for job in jobs:
+            try:
+                with transaction.atomic(using=using):
+                    job.save(using=using, force_insert=True)
+            except IntegrityError:
+                continue
+            inserted.add(job.pk)
+        return inserted
+    with connection.cursor() as cursor:
+        for chunk in _chunks(jobs, _UNIQUE_BATCH):
+            cursor.execute(_pg_insert_unique(len(chunk)), [
+                value for job in chunk for value in (*_row_values(job), job.unique_key)])
+            inserted.update(pk for (pk,) in cursor.fetchall())
+    return inserted
+
+
+@lru_cache(maxsize=8)
+def _pg_insert_unique(rows: int) -> str:
+    """INSERT of ``rows`` new jobs with their keys, skipping those whose key is taken."""
+    row = "(" + ", ".join(["%s"] * len(_UNIQUE_COLUMNS)) + ")"
+    return (f"INSERT INTO {Job._meta.db_table} ({', '.join(_UNIQUE_COLUMNS)}) "
+            f"VALUES {', '.join([row] * rows)} ON CONFLICT DO NOTHING RETURNING id")
+
+
+def _release_keys(using: str, job_ids: Sequence[Any]) -> None:
+    """Take the unique key off unfinished jobs whose key no longer counts.
+
+    Rows locked first, in id order, as every other mirror writer locks them.
+    """
+    if not job_ids:
+        return
+    rows = Job.objects.using(using).filter(pk__in=job_ids, state__in=UNFINISHED_STATES)
+    with transaction.atomic(using=using, savepoint=False):
+        locked = list(rows.select_for_update(no_key=True).order_by("pk")
+                      .values_list("pk", flat=True))
+        Job.objects.using(using).filter(pk__in=locked).update(unique_key=None)
 
 
 def record(using: str, records: Iterable[AttemptRecord]) -> None:
@@ -689,11 +835,16 @@ def mark_queued_again(using: str, job: Job, *, max_attempts: int,
     The row's generation and attempts are written as ``job`` holds them
     (raised by :func:`next_generation` when the action rebuilt the job).
     ``clear_run_after`` drops a future run_after the job no longer waits
-    for, so a reconcile rebuild cannot schedule it for later again.
+    for, so a reconcile rebuild cannot schedule it for later again. A
+    finished job queued again gives up its unique key.
     """
     changes: dict[str, Any] = {"state": JobState.QUEUED, "max_attempts": max_attempts,
                                "generation": job.generation, "attempts": job.attempts,
                                "finished_at": None, "updated_at": timezone.now()}
+    if job.state in FINISHED_STATES:
+        # Its unique key was freed when it finished and may have a new holder:
+        # the job runs again without one (keeping it could break the index).
+        changes["unique_key"] = None
     if clear_run_after:
         changes["run_after"] = None
     Job.objects.using(using).filter(pk=job.pk).update(**changes)

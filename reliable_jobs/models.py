@@ -87,6 +87,13 @@ class Job(models.Model):
     updated_at = models.DateTimeField(_("updated"))
     return_value = models.JSONField(_("return value"), null=True, blank=True)
     last_error = models.TextField(_("last error"), blank=True, default="")
+    #: Set for a task with ``unique_for_ms``: the digest of the call (unique.py).
+    #: Only unfinished jobs hold their key (the rj_job_unique_key index), so a
+    #: job that ends frees it by the same write that ends it; the key stays
+    #: on the row as history. NULL, not "", for a job without one: the plain
+    #: INSERT (mirror._PG_INSERT_JOB) leaves the column out, and NULLs never clash.
+    unique_key = models.CharField(  # noqa: DJ001 - NULL means "no key", see above
+        _("unique key"), max_length=64, null=True, blank=True, editable=False)
 
     objects = JobQuerySet.as_manager()
 
@@ -99,6 +106,19 @@ class Job(models.Model):
             models.Index(fields=["queue", "state"], name="rj_job_queue_state"),
             models.Index(fields=["task_path"], name="rj_job_task"),
             models.Index(fields=["-enqueued_at"], name="rj_job_enqueued"),
+        ]
+        constraints = [
+            # The judge of unique jobs: one unfinished job per key, checked by the
+            # database in the enqueuing transaction. Partial, so plain jobs (no
+            # key) and finished ones never enter it.
+            models.UniqueConstraint(
+                fields=["unique_key"],
+                # The key test first: PostgreSQL evaluates the predicate on
+                # every insert and update, and for plain rows it ends there.
+                condition=(models.Q(unique_key__isnull=False)
+                           & models.Q(state__in=UNFINISHED_STATES)),
+                name="rj_job_unique_key",
+            ),
         ]
         # Staff actions in the admin, each granted on its own (staff.py).
         permissions = [

@@ -37,11 +37,24 @@ _UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
 _REPLACEMENT = "\ufffd"
 
 
+#: A W3C Trace Context ``traceparent`` (version 00): the only shape the
+#: payload's optional ``trace`` field may take. All-zero trace or span ids
+#: are invalid by the specification.
+TRACEPARENT_RE = re.compile(r"00-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}")
+
+
 @dataclass(frozen=True, slots=True)
 class Payload:
     task_path: str
     args: list[Any]
     kwargs: dict[str, Any]
+    #: The enqueuer's trace context (a traceparent), or None.
+    trace: str | None = None
+
+
+def is_traceparent(value: object) -> bool:
+    """Return True for a well-formed W3C ``traceparent`` string (version 00)."""
+    return isinstance(value, str) and TRACEPARENT_RE.fullmatch(value) is not None
 
 
 def text_problem(text: str) -> str:
@@ -123,15 +136,22 @@ def check_call(args: tuple[Any, ...] | list[Any], kwargs: dict[str, Any]) -> Non
 
 
 def encode(task_path: str, args: tuple[Any, ...] | list[Any], kwargs: dict[str, Any],
-           *, max_bytes: int) -> str:
-    """Check the task path and the arguments; return the payload text written to Redis."""
+           *, max_bytes: int, trace: str | None = None) -> str:
+    """Check the task path and the arguments; return the payload text written to Redis.
+
+    ``trace``, the enqueuer's traceparent (see tracing.py), is stored only
+    when it is a well-formed one; the field is left out otherwise.
+    """
     if not is_task_path(task_path):
         raise InvalidTask(
             f"The task path {_shorten(task_path)} is not a dotted Python path of at most "
             f"{MAX_TASK_PATH} characters, so no worker could run it."
         )
     check_call(args, kwargs)
-    text = _encoder.encode({"task": task_path, "args": list(args), "kwargs": kwargs})
+    data: dict[str, Any] = {"task": task_path, "args": list(args), "kwargs": kwargs}
+    if trace is not None and is_traceparent(trace):
+        data["trace"] = trace
+    text = _encoder.encode(data)
     _check_size(text, max_bytes)
     return text
 
@@ -158,9 +178,12 @@ class CallEncoder:
     ``args`` and ``kwargs`` columns need no second encoding.
     """
 
-    def __init__(self, task_path: str, *, max_bytes: int) -> None:
+    def __init__(self, task_path: str, *, max_bytes: int, trace: str | None = None) -> None:
         encode(task_path, (), {}, max_bytes=max_bytes)  # the path's checks and errors
         self._head = '{"task":' + _encoder.encode(task_path) + ',"args":'
+        #: The trace field every payload of the batch carries, or nothing (see encode()).
+        self._tail = (',"trace":' + _encoder.encode(trace)
+                      if trace is not None and is_traceparent(trace) else "") + "}"
         self._max_bytes = max_bytes
 
     def __call__(self, args: list[Any], kwargs: dict[str, Any]) -> tuple[str, str, str]:
@@ -171,7 +194,7 @@ class CallEncoder:
             check_call(args, kwargs)
             args_json = _encoder.encode(args)
             kwargs_json = _encoder.encode(kwargs)
-        text = f'{self._head}{args_json},"kwargs":{kwargs_json}}}'
+        text = f'{self._head}{args_json},"kwargs":{kwargs_json}{self._tail}'
         _check_size(text, self._max_bytes)
         return text, args_json, kwargs_json
 
@@ -214,7 +237,11 @@ def decode(text: object, *, max_bytes: int | None = None) -> Payload:
     except InvalidJobArguments as exc:
         message = str(exc).rstrip(".")
         raise MalformedPayload(f"in the payload: {message[0].lower()}{message[1:]}") from None
-    return Payload(task_path, args, kwargs)
+    # Tracing is best effort: a trace field that is not a traceparent (anyone
+    # who can write to Redis chooses it) is dropped, never a reason to fail
+    # the job, and never passed on as anything but this checked string.
+    trace = data.get("trace")
+    return Payload(task_path, args, kwargs, trace if is_traceparent(trace) else None)
 
 
 def storable_text(text: str) -> str:

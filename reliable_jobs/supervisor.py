@@ -18,7 +18,9 @@ whatever came before, even an abbreviated ``--proc 4`` (a child can never
 become a supervisor itself). ``n`` counts every child started, replacements
 included, so each process has its own id and the attempt history says which
 incarnation ran what: a killed ``w-2`` is replaced by ``w-3``, not by a
-second ``w-2``.
+second ``w-2``. With ``--metrics-port N`` the child in place i (0 to P - 1)
+also gets ``--metrics-port N+i``: each process serves its own counters, and
+a replacement takes over its place's port, so scrape targets stay fixed.
 
 Policy, and why:
 
@@ -133,6 +135,8 @@ class Child:
     """One of the P places: the process serving it now, or when to start the next."""
 
     worker_id: str = ""
+    #: Which of the P places (0 to P - 1): a replacement takes its place's metrics port.
+    place: int = 0
     proc: subprocess.Popen[bytes] | None = None
     #: time.monotonic() when ``proc`` started.
     started: float = 0.0
@@ -145,10 +149,13 @@ class Child:
 class Supervisor:
     """Start ``processes`` children running ``command``, keep them up, stop them together."""
 
-    def __init__(self, command: Sequence[str], *, processes: int, base_id: str) -> None:
+    def __init__(self, command: Sequence[str], *, processes: int, base_id: str,
+                 metrics_port: int | None = None) -> None:
         self.command = list(command)
         self.base_id = base_id
-        self.children = [Child() for _ in range(processes)]
+        #: With ``--metrics-port N``, place i's process listens on N + i.
+        self.metrics_port = metrics_port
+        self.children = [Child(place=i) for i in range(processes)]
         self.stopping = False
         #: Children whose last exit, after the stop, was a failure.
         self.failed: list[str] = []
@@ -237,9 +244,11 @@ class Supervisor:
         child.worker_id = f"{self.base_id}-{self._started_total}"
         child.restart_at = None
         child.started = time.monotonic()
+        port = ([] if self.metrics_port is None
+                else ["--metrics-port", str(self.metrics_port + child.place)])
         try:
             child.proc = subprocess.Popen(
-                [*self.command, "--processes", "1", "--worker-id", child.worker_id],
+                [*self.command, "--processes", "1", "--worker-id", child.worker_id, *port],
                 stdin=subprocess.DEVNULL, start_new_session=True,
                 preexec_fn=signal_when_parent_dies(os.getpid(), signal.SIGTERM),
             )

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from django.db import DatabaseError, InterfaceError, connections, transaction
 from django.utils import timezone
 
-from . import mirror, payload
+from . import mirror, payload, telemetry
 from .broker import REDIS_ERRORS, Fence, NewJob, RecoverResult, Settlement, epoch_ms
 from .exceptions import LeaseExpired, class_path
 from .faults import crash_point
@@ -104,6 +104,7 @@ class Sweep:
             recovered = self._recover(queue, report)
             report.orphans += recovered.stamped
             for job in recovered.outcomes:
+                telemetry.hook.recovered(queue, job.kind)
                 if job.kind in ("unstarted", "orphan"):
                     report.requeued += 1
                     if job.kind == "unstarted":

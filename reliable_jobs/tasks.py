@@ -1,6 +1,7 @@
 """The task class of this backend, and the allow-list of runnable tasks.
 
-``@task(max_attempts=5, retry_base_ms=500, timeout_ms=60_000)`` works
+``@task(max_attempts=5, retry_base_ms=500, timeout_ms=60_000)`` (and the
+unique options, ``unique_for_ms=60_000``) works
 because Django's ``task()`` passes extra keyword arguments to the backend's
 ``task_class``. Every such task registers itself by its import path when it
 is created. A worker fills the registry at start-up (:func:`discover` imports
@@ -22,6 +23,7 @@ from django.dispatch import receiver
 from django.utils.module_loading import autodiscover_modules
 
 from .compat import InvalidTask, Task
+from .unique import UniqueBy, check_options
 
 _registry: dict[str, Task[..., Any]] = {}
 #: Paths lookup() already found allowed.
@@ -31,9 +33,10 @@ _lock = threading.Lock()
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ReliableTask(Task):  # type: ignore[type-arg]  # generic only in django-stubs
-    """A ``django.tasks.Task`` with per-task retry and time limits.
+    """A ``django.tasks.Task`` with per-task retry and time limits, and unique jobs.
 
-    Each option left at None takes the backend's OPTIONS default.
+    Each retry or time option left at None takes the backend's OPTIONS
+    default; the unique options have no backend default.
     """
 
     #: Claims before the job is dead (OPTIONS['MAX_ATTEMPTS']).
@@ -44,17 +47,30 @@ class ReliableTask(Task):  # type: ignore[type-arg]  # generic only in django-st
     retry_max_ms: int | None = None
     #: Wall-clock limit per attempt in ms (OPTIONS['TIMEOUT_MS']).
     timeout_ms: int | None = None
+    #: For how long (ms, from enqueue or run_after) an equal call returns the
+    #: unfinished job instead of enqueueing another; None: every call is a job.
+    unique_for_ms: int | None = None
+    #: What makes calls equal: a function of the call's arguments, or the
+    #: names of the arguments that count (None: all of them). See unique.py.
+    unique_by: UniqueBy | None = None
+    #: Whether a running job still counts (by default only queued and
+    #: scheduled ones do: a call made while the job runs enqueues another).
+    unique_while_running: bool = False
 
     def __post_init__(self) -> None:
         # Zero-argument super() does not work in a slots dataclass.
         Task.__post_init__(self)
         for name, minimum in (("max_attempts", 1), ("retry_base_ms", 0),
-                              ("retry_max_ms", 0), ("timeout_ms", 1)):
+                              ("retry_max_ms", 0), ("timeout_ms", 1), ("unique_for_ms", 1)):
             value = getattr(self, name)
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, int) or value < minimum
             ):
                 raise InvalidTask(f"{name} must be a whole number >= {minimum}, not {value!r}.")
+        if isinstance(self.unique_by, list):
+            # Frozen dataclasses hash their fields: keep the names as a tuple.
+            object.__setattr__(self, "unique_by", tuple(self.unique_by))
+        check_options(self)
         register(self)
 
 
@@ -62,6 +78,12 @@ def register(task: Task[..., Any]) -> None:
     """Allow workers to run ``task`` (the first task seen for a path wins)."""
     with _lock:
         _registry.setdefault(task.module_path, task)
+
+
+def registered() -> list[Task[..., Any]]:
+    """Every task registered in this process so far (for system checks)."""
+    with _lock:
+        return list(_registry.values())
 
 
 def lookup(task_path: object) -> Task[..., Any] | None:

@@ -8,4 +8,5 @@ urlpatterns = [
     path("", RedirectView.as_view(pattern_name="demo:index")),
     path("admin/", admin.site.urls),
     path("demo/", include("testproject.demo.urls")),
+    path("jobs/", include("reliable_jobs.urls")),
 ]

@@ -4,7 +4,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ("reliable_jobs", "0004_job_generation"),
+        ("reliable_jobs", "0006_job_unique_key"),
     ]
 
     operations = [

@@ -33,7 +33,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from django.db import DatabaseError, InterfaceError
+from django.db import DatabaseError, InterfaceError, connections
 from django.utils import timezone
 
 from .. import mirror
@@ -122,6 +122,8 @@ class Worker:
         self._claimed_total = 0
         self._signals = 0
         self._started_at = time.time()
+        #: time.monotonic() when the claim loop last went round (health.HeartbeatFile).
+        self.loop_tick = time.monotonic()
 
         self._stopping = threading.Event()
         self._hard_stop = threading.Event()
@@ -226,6 +228,11 @@ class Worker:
                             threading.current_thread().name, exc_info=True)
             self._hard_stop.set()
             self.stop()
+        finally:
+            # A thread's database sessions are its own: end them with it, so a
+            # worker run inside a longer-lived process (tests, embedding)
+            # leaves no session open behind it.
+            connections.close_all()
 
     def _shutdown(self, executors: list[threading.Thread], finisher: threading.Thread) -> None:
         """Release what never started, let the rest finish, release what is left.
@@ -291,6 +298,7 @@ class Worker:
     def _main_loop(self) -> None:
         backoff = Backoff()
         while not self._stopping.is_set():
+            self.loop_tick = time.monotonic()
             try:
                 if self._limit_reached():
                     break

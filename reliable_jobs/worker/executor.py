@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from django.db import close_old_connections
 from django.utils import timezone
 
-from .. import payload, retry
+from .. import payload, retry, telemetry
 from ..broker import REDIS_ERRORS, Applied, ClaimedJob
 from ..cancellation import JobContext
 from ..compat import (
@@ -191,22 +191,23 @@ class Executor:
                 )
             result = self._task_result(task, job, decoded, started_at)
             task_started.send(type(self.backend), task_result=result)
-            crash_point("in_task")
-            if cancellation.requested():  # since its start mark: do not begin the task
-                raise JobCancelled("it was cancelled before its task began")
-            timeout_ms = self.backend.task_option(task, "timeout_ms")
-            if timeout_ms:
-                value = run_in_child(
-                    payload_text=job.payload, job_id=job.id, attempt=job.attempt,
-                    worker_id=self.worker_id, backend=self.backend.alias,
-                    queue=logical_queue(job.queue),
-                    timeout_s=timeout_ms / 1000, cancellation=cancellation,
-                )
-            elif task.takes_context:
-                value = task.call(JobContext(task_result=result, cancellation=cancellation),
-                                  *decoded.args, **decoded.kwargs)
-            else:
-                value = task.call(*decoded.args, **decoded.kwargs)
+            with telemetry.hook.attempt(job, task_path, decoded.trace):
+                crash_point("in_task")
+                if cancellation.requested():  # since its start mark: do not begin the task
+                    raise JobCancelled("it was cancelled before its task began")
+                timeout_ms = self.backend.task_option(task, "timeout_ms")
+                if timeout_ms:
+                    value = run_in_child(
+                        payload_text=job.payload, job_id=job.id, attempt=job.attempt,
+                        worker_id=self.worker_id, backend=self.backend.alias,
+                        queue=logical_queue(job.queue),
+                        timeout_s=timeout_ms / 1000, cancellation=cancellation,
+                    )
+                elif task.takes_context:
+                    value = task.call(JobContext(task_result=result, cancellation=cancellation),
+                                      *decoded.args, **decoded.kwargs)
+                else:
+                    value = task.call(*decoded.args, **decoded.kwargs)
             value = normalize_json(value)
         except Exception as exc:
             if cancellation.requested():
@@ -226,7 +227,9 @@ class Executor:
                                  job_state=JobState.SUCCEEDED, worker_id=self.worker_id,
                                  started_at=started_at, finished_at=finished_at,
                                  outcome=AttemptOutcome.SUCCEEDED, return_value=value)
-            self.finisher.submit(Outcome(done, job=job, delay_ms=None))
+            self.finisher.submit(Outcome(done, job=job, delay_ms=None, task=task_path))
+            telemetry.hook.finished(job, task_path, JobState.SUCCEEDED,
+                                    time.perf_counter() - started_clock)
             # One line per success only from -v 2: at a few thousand jobs a
             # second it cost about a quarter of the drain rate. Failures keep
             # their line at the default verbosity.
@@ -311,7 +314,8 @@ class Executor:
             object.__setattr__(result, "status", TaskResultStatus.FAILED)
             object.__setattr__(result, "finished_at", record.finished_at)
             task_finished.send(type(self.backend), task_result=result)
-        self.finisher.submit(Outcome(record, job=job, delay_ms=delay_ms))
+        self.finisher.submit(Outcome(record, job=job, delay_ms=delay_ms, task=task_path))
+        telemetry.hook.finished(job, task_path, state, time.perf_counter() - started_clock, exc)
         log_attempt(logging.WARNING if state == JobState.DEAD else logging.INFO, job, task_path,
                     record.outcome, (time.perf_counter() - started_clock) * 1000,
                     error=error, retry_in_ms=None if state == JobState.DEAD else delay_ms)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from django.db import DatabaseError, connections
 
-from .. import mirror, retry
+from .. import mirror, retry, telemetry
 from ..broker import REDIS_ERRORS, Applied, Broker, ClaimedJob
 from ..faults import crash_point, raise_point
 from ..mirror import AttemptRecord
@@ -47,6 +47,8 @@ class Outcome:
     record: AttemptRecord
     job: ClaimedJob | None = None
     delay_ms: int | None = None
+    #: The task's dotted path, for metrics ("?" when unknown).
+    task: str = "?"
 
 
 @dataclass
@@ -208,6 +210,7 @@ class Finisher:
                 self.stats.cancelled += 1
             elif not ok and not retried:
                 self.stats.refused += 1
+                telemetry.hook.refused(outcome.job.queue if outcome.job else "", outcome.task)
                 logger.warning("Redis refused the outcome of job %s attempt %d: that attempt "
                                "is no longer held (lease expired).",
                                printable(outcome.record.job_id), outcome.record.attempt)

@@ -134,3 +134,9 @@ def stop_when_cancelled(context: TaskContext[[float], str], seconds: float) -> s
         raise_if_cancelled(context)
         time.sleep(0.02)
     return "finished"
+
+
+@task(unique_for_ms=60_000)
+def unique_add(a: int, b: int) -> int:
+    """Return ``a + b``; an equal call while one waits gets that job (a unique task)."""
+    return a + b

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 from typing import Any
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from reliable_jobs import logformat
+from reliable_jobs import logformat, metrics
 from reliable_jobs.backend import ReliableJobsBackend
 from reliable_jobs.compat import (
     DEFAULT_TASK_BACKEND_ALIAS,
@@ -17,6 +18,7 @@ from reliable_jobs.compat import (
     InvalidTaskBackend,
     task_backends,
 )
+from reliable_jobs.health import HeartbeatFile
 from reliable_jobs.supervisor import Supervisor, runworker_command_line
 from reliable_jobs.worker import Worker, default_worker_id
 
@@ -118,6 +120,17 @@ class Command(BaseCommand):
                                  "or is killed, forwards SIGTERM/SIGINT, and exits once all "
                                  "have exited. Their ids are <--worker-id>-<n> "
                                  "(default: %(default)r).")
+        parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                            help="Serve Prometheus metrics over HTTP on this port (needs the "
+                                 "prometheus extra). With --processes P, process i of P "
+                                 "listens on PORT + i (default: no metrics server).")
+        parser.add_argument("--metrics-addr", default="0.0.0.0", metavar="ADDRESS",
+                            help="Address the metrics server listens on "
+                                 "(default: %(default)r).")
+        parser.add_argument("--heartbeat-file", default=None, metavar="PATH",
+                            help="Touch PATH every few seconds while the claim loop runs, for "
+                                 "a liveness probe on its age; with --processes every process "
+                                 "touches it (default: none).")
         parser.add_argument("--log-format", choices=logformat.LOG_FORMATS, default=None,
                             help="'text' lines, or 'json' lines (one object per line, with "
                                  "each attempt's fields) for log shippers (default: "
@@ -150,9 +163,20 @@ class Command(BaseCommand):
             raise CommandError("--processes must be at least 1.")
         if options["burst_give_up"] <= 0:
             raise CommandError("--burst-give-up must be more than 0 seconds.")
+        port = options["metrics_port"]
+        if port is not None:
+            if not metrics.available():
+                raise CommandError(f"--metrics-port cannot work: {metrics.MISSING}")
+            if not 0 < port <= 65535 - options["processes"] + 1:
+                raise CommandError("--metrics-port must leave room for one port per process "
+                                   "below 65536.")
         if options["processes"] > 1:
+            if options["heartbeat_file"]:
+                # Here too: children failing on it would only be restarted, again and again.
+                self._check_writable(options["heartbeat_file"])
             supervisor = Supervisor(runworker_command_line(), processes=options["processes"],
-                                    base_id=options["worker_id"] or default_worker_id())
+                                    base_id=options["worker_id"] or default_worker_id(),
+                                    metrics_port=port)
             if supervisor.run():
                 raise CommandError("A worker process did not stop cleanly (logged above).")
             return
@@ -166,7 +190,22 @@ class Command(BaseCommand):
             scheduler=options["scheduler"],
         )
         worker.install_signal_handlers()
-        worker.run()
+        if port is not None:
+            try:
+                metrics.serve(port, worker, addr=options["metrics_addr"])
+            except OSError as exc:
+                raise CommandError(f"Cannot serve metrics on {options['metrics_addr']}:{port} "
+                                   f"({exc.strerror or exc}).") from None
+        heartbeat = None
+        if options["heartbeat_file"]:
+            self._check_writable(options["heartbeat_file"])
+            heartbeat = HeartbeatFile(options["heartbeat_file"], worker)
+            heartbeat.start()
+        try:
+            worker.run()
+        finally:
+            if heartbeat is not None:
+                heartbeat.stop()
         if worker.crashed:
             raise CommandError("A worker thread died of an unexpected error (logged above); "
                                "its jobs were handed back.")
@@ -174,3 +213,11 @@ class Command(BaseCommand):
             raise CommandError(f"Redis did not answer for {options['burst_give_up']:g} s; the "
                                "burst run gave up (its jobs stay queued). Check REDIS_URL and "
                                "that Redis is running.")
+
+    @staticmethod
+    def _check_writable(path: str) -> None:
+        try:
+            Path(path).touch()
+        except OSError as exc:
+            raise CommandError(f"Cannot write the heartbeat file {path!r} "
+                               f"({exc.strerror or exc}).") from None

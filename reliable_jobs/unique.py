@@ -1,0 +1,134 @@
+"""Unique jobs: which calls of a task count as the same job.
+
+A task with ``unique_for_ms`` gives each job a *unique key*: a digest of the
+backend, the queue, the task and the call's arguments (all of them, bound to
+the function's signature so ``f(1)`` and ``f(x=1)`` agree; or only the
+arguments ``unique_by`` names; or whatever ``unique_by`` returns when it is
+a function). The key only names the call: the database decides (a partial
+unique index over the keys of unfinished jobs, see ``models.Job`` and
+``mirror.insert_unique_jobs``), and Redis holds nothing about it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+from collections.abc import Callable, Sequence
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+from .compat import InvalidTask
+
+if TYPE_CHECKING:
+    from .tasks import ReliableTask
+
+#: What ``unique_by`` may be: a function of the call's arguments, or argument names.
+UniqueBy = Callable[..., Any] | Sequence[str]
+
+
+def check_options(task: ReliableTask) -> None:
+    """Raise InvalidTask, with the fix, for unique options that cannot work."""
+    if task.unique_for_ms is None:
+        for name, unset in (("unique_by", None), ("unique_while_running", False)):
+            if getattr(task, name) != unset:
+                raise InvalidTask(
+                    f"{name} has no effect without unique_for_ms: set unique_for_ms to how "
+                    "long (in ms) an equal call should return the existing job.")
+        return
+    if not isinstance(task.unique_while_running, bool):
+        raise InvalidTask(
+            f"unique_while_running must be True or False, not {task.unique_while_running!r}.")
+    unique_by = task.unique_by
+    if unique_by is None or callable(unique_by):
+        return
+    if isinstance(unique_by, (str, bytes)) or not isinstance(unique_by, Sequence):
+        raise InvalidTask(
+            f"unique_by must be a function or a list of argument names, not {unique_by!r}.")
+    if not unique_by or not all(isinstance(name, str) for name in unique_by):
+        raise InvalidTask(
+            f"unique_by must name at least one argument, each as a string, not {unique_by!r}.")
+    parameters = _parameters(task.func, task.takes_context)
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        unknown = [name for name in unique_by if name not in parameters]
+        if unknown:
+            raise InvalidTask(
+                f"unique_by names {', '.join(map(repr, unknown))}, which "
+                f"{'is not an argument' if len(unknown) == 1 else 'are not arguments'} of "
+                f"{task.func.__qualname__}() (it takes {', '.join(parameters) or 'none'}).")
+
+
+def database_problem(database: str) -> str | None:
+    """Why unique jobs cannot work on ``database`` (an alias), or None.
+
+    Without partial indexes (MySQL, MariaDB, Oracle) Django skips the
+    conditional unique constraint with only a model warning, and equal
+    calls would all be enqueued: refuse rather than pretend.
+    """
+    from django.db import connections
+
+    connection = connections[database]
+    if connection.features.supports_partial_indexes:
+        return None
+    return (f"Database {database!r} ({connection.vendor}) has no partial unique indexes, "
+            "which unique jobs (unique_for_ms) rely on: use PostgreSQL or SQLite for the "
+            "job mirror, or drop unique_for_ms.")
+
+
+def key_for(task: ReliableTask, alias: str, args: Sequence[Any], kwargs: dict[str, Any]) -> str:
+    """The unique key of one call of ``task`` (a unique task) on backend ``alias``.
+
+    Equal calls on the same backend, queue and task get the same key; the
+    queue is part of it, so ``task.using(queue_name=...)`` is another job.
+    """
+    unique_by = task.unique_by
+    if unique_by is not None and callable(unique_by):
+        material: Any = unique_by(*args, **kwargs)
+    else:
+        bound = _bind(task, args, kwargs)
+        if unique_by is None:
+            material = bound
+        else:
+            extra: dict[str, Any] = next((bound.get(p.name, {}) for p in
+                          _parameters(task.func, task.takes_context).values()
+                          if p.kind is inspect.Parameter.VAR_KEYWORD), {})
+            material = {name: bound[name] if name in bound else extra.get(name)
+                        for name in unique_by}
+    try:
+        text = json.dumps([alias, task.queue_name, task.module_path, material],
+                          sort_keys=True, separators=(",", ":"), allow_nan=False)
+        return hashlib.sha256(text.encode()).hexdigest()
+    except (TypeError, ValueError) as exc:
+        raise InvalidTask(
+            f"The unique key of {task.module_path} is not JSON ({exc}): unique_by must "
+            "return numbers, strings, lists, dicts, booleans or None.") from None
+
+
+def _bind(task: ReliableTask, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The call's arguments by parameter name, defaults filled in."""
+    signature = _signature(task.func)
+    try:
+        bound = (signature.bind(None, *args, **kwargs) if task.takes_context
+                 else signature.bind(*args, **kwargs))
+    except TypeError as exc:
+        raise InvalidTask(
+            f"{task.module_path} cannot be called with these arguments ({exc}), so the "
+            "call's unique key cannot be computed.") from None
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    if task.takes_context:
+        arguments.pop(next(iter(signature.parameters)))
+    return arguments
+
+
+@lru_cache(maxsize=1024)
+def _signature(func: Callable[..., Any]) -> inspect.Signature:
+    return inspect.signature(func)
+
+
+def _parameters(func: Callable[..., Any], takes_context: bool) -> dict[str, inspect.Parameter]:
+    """The parameters a caller passes (the context parameter left out)."""
+    parameters = dict(_signature(func).parameters)
+    if takes_context and parameters:
+        parameters.pop(next(iter(parameters)))
+    return parameters
