@@ -72,6 +72,19 @@ def test_a_job_redis_lost_is_rebuilt_at_its_priority(
     assert redis_client.hget(KEYS.job(result.id), "gen") == "1"
 
 
+def test_unique_and_bulk_enqueues_keep_the_priority(
+    backend: ReliableJobsBackend, redis_client: redis.Redis
+) -> None:
+    # When: a unique task and a bulk enqueue are given priorities
+    unique = demo.unique_add.using(priority=12).enqueue(1, 2)
+    bulk = backend.enqueue_many(demo.add.using(priority=-3), [((1, 1), {}), ((2, 2), {})])
+
+    # Then: each waits on its own priority's list, and the rows say so
+    assert waiting(redis_client) == {"12": [unique.id], "-3": [r.id for r in reversed(bulk)]}
+    assert Job.objects.get(pk=unique.id).priority == 12
+    assert {job.priority for job in Job.objects.filter(pk__in=[r.id for r in bulk])} == {-3}
+
+
 # -- the changelist -----------------------------------------------------------------
 
 
