@@ -7,7 +7,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('reliable_jobs', '0007_attempt_cancelled'),
+        ('reliable_jobs', '0006_attempt_cancelled'),
     ]
 
     operations = [

@@ -9,7 +9,7 @@ from django.db import migrations
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('reliable_jobs', '0009_task_stats_indexes'),
+        ('reliable_jobs', '0008_task_stats_indexes'),
     ]
 
     operations = [

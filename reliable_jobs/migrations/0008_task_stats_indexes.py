@@ -10,7 +10,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ("reliable_jobs", "0008_schedules"),
+        ("reliable_jobs", "0007_schedules"),
     ]
 
     operations = [

@@ -4,7 +4,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ("reliable_jobs", "0006_job_unique_key"),
+        ("reliable_jobs", "0005_job_unique_key"),
     ]
 
     operations = [
