@@ -10,10 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,9 +18,7 @@ import pytest
 import redis
 from django.db import connections
 
-REPO = Path(__file__).resolve().parent.parent
-#: The suite's Redis: a database index of its own, flushed before each test.
-REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/15")
+from .helpers import REDIS_URL, Processes
 
 #: OPTIONS that make recovery fast enough to test without long sleeps.
 FAST_OPTIONS: dict[str, Any] = {
@@ -35,19 +29,6 @@ FAST_OPTIONS: dict[str, Any] = {
     "RETRY_BASE_MS": 50,
     "RETRY_MAX_MS": 200,
 }
-
-
-def wait_until(predicate: Callable[[], Any], *, timeout: float = 20.0, interval: float = 0.05,
-               message: str = "condition") -> Any:
-    """Poll ``predicate`` until it returns something truthy, for at most ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"Timed out after {timeout} s waiting for {message}.")
-        time.sleep(interval)
 
 
 @pytest.fixture
@@ -122,54 +103,6 @@ def subprocess_env(*, queues: list[str], options: dict[str, Any]) -> dict[str, s
         "PYTHONUNBUFFERED": "1",
     })
     return env
-
-
-class Processes:
-    """Starts ``manage.py`` commands as real processes and always stops them."""
-
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self.started: list[subprocess.Popen[bytes]] = []
-
-    def manage(self, *args: str, env: dict[str, str], extra_env: dict[str, str] | None = None
-               ) -> subprocess.Popen[bytes]:
-        log = open(self.log_dir / f"{args[0]}-{len(self.started)}.log", "wb")  # noqa: SIM115
-        proc = subprocess.Popen(
-            [sys.executable, str(REPO / "manage.py"), *args],
-            env={**env, **(extra_env or {})}, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )
-        proc.log_path = log.name  # type: ignore[attr-defined]
-        log.close()
-        self.started.append(proc)
-        return proc
-
-    def worker(self, env: dict[str, str], *args: str, extra_env: dict[str, str] | None = None
-               ) -> subprocess.Popen[bytes]:
-        return self.manage("runworker", "-v", "1", *args, env=env, extra_env=extra_env)
-
-    def stop(self, proc: subprocess.Popen[bytes], *, timeout: float = 30.0) -> int:
-        """SIGTERM a command once it is up (signal handlers installed); return its exit code.
-
-        A process terminated while Django is still starting dies of the
-        signal itself (-15), which says nothing about graceful shutdown.
-        """
-        if proc.poll() is None:
-            wait_until(lambda: proc.poll() is not None or " serving " in self.log(proc)
-                       or "Sweep of" in self.log(proc), timeout=timeout,
-                       message=f"{proc.args[2]} to start")
-        proc.terminate()
-        return proc.wait(timeout=timeout)
-
-    @staticmethod
-    def log(proc: subprocess.Popen[bytes]) -> str:
-        return Path(proc.log_path).read_text(errors="replace")  # type: ignore[attr-defined]
-
-    def stop_all(self) -> None:
-        for proc in self.started:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGKILL)
-            proc.wait(timeout=10)
 
 
 class RecordList(logging.Handler):

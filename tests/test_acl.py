@@ -31,7 +31,7 @@ from reliable_jobs.keys import QueueKeys
 from reliable_jobs.models import Job, JobState
 from testproject.demo import tasks as demo
 
-from .conftest import REDIS_URL, Processes, wait_until
+from .helpers import REDIS_URL, Processes, wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 

@@ -27,7 +27,7 @@ from reliable_jobs.keys import QueueKeys
 from reliable_jobs.models import Attempt, Job, JobState
 from testproject.demo import tasks as demo
 
-from .conftest import Processes, wait_until
+from .helpers import Processes, wait_until
 from .test_admin import (
     CHANGELIST,
     change_url,

@@ -15,7 +15,7 @@ import redis
 
 from reliable_jobs.models import Job
 
-from .conftest import Processes
+from .helpers import Processes
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -24,7 +24,7 @@ from reliable_jobs.keys import QueueKeys
 from reliable_jobs.models import Attempt, Job, JobState
 from testproject.demo import tasks as demo
 
-from .conftest import REPO, Processes, wait_until
+from .helpers import REPO, Processes, wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 

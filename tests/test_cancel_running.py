@@ -34,7 +34,7 @@ from reliable_jobs.models import Attempt, AttemptOutcome, Job, JobState
 from reliable_jobs.sweep import Sweep
 from testproject.demo import tasks as demo
 
-from .conftest import REDIS_URL, Processes, wait_until
+from .helpers import REDIS_URL, Processes, wait_until
 from .test_admin import configured_backend
 
 Q = "default"

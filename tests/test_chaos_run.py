@@ -22,7 +22,7 @@ from django.core.management import CommandError, call_command
 from reliable_jobs.models import Job
 from testproject.demo import tasks as demo
 
-from .conftest import Processes
+from .helpers import Processes
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -22,7 +22,7 @@ from reliable_jobs.compat import task_backends
 from reliable_jobs.models import Job
 from tests import tasks as test_tasks
 
-from .conftest import REDIS_URL
+from .helpers import REDIS_URL
 
 Configure = Callable[..., dict[str, str]]
 

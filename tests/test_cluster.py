@@ -28,7 +28,7 @@ from reliable_jobs.models import Job, JobState
 from reliable_jobs.sweep import Sweep
 from testproject.demo import tasks as demo
 
-from .conftest import Processes, wait_until
+from .helpers import Processes, wait_until
 from .redis_cluster import RedisClusterHarness
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]

@@ -21,7 +21,7 @@ from reliable_jobs.keys import QueueKeys, shard_queue
 from reliable_jobs.models import Attempt, AttemptOutcome, Job, JobState
 from testproject.demo import tasks as demo
 
-from .conftest import Processes, wait_until
+from .helpers import Processes, wait_until
 from .test_admin import (
     CHANGELIST,
     configured_backend,

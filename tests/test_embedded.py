@@ -26,7 +26,7 @@ from testproject.embedded import (
     stop_embedded_valkey,
 )
 
-from .conftest import REDIS_URL, REPO
+from .helpers import REDIS_URL, REPO
 
 SUITE_REDIS = urlsplit(REDIS_URL)
 #: A port where no Redis listens: the probe is refused at once.

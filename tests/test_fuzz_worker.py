@@ -35,7 +35,7 @@ from reliable_jobs.compat import task_backends
 from reliable_jobs.keys import QueueKeys
 from testproject.demo import tasks as demo
 
-from .conftest import Processes
+from .helpers import Processes
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 KEYS = QueueKeys("rj", "default")

@@ -36,8 +36,7 @@ from reliable_jobs.worker.leases import LeaseKeeper
 from reliable_jobs.worker.registry import InHand, printable
 from testproject.demo import tasks as demo
 
-from .conftest import Processes, wait_until
-from .helpers import backdate
+from .helpers import Processes, backdate, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 KEYS = QueueKeys("rj", "default")

@@ -17,8 +17,8 @@ from reliable_jobs.health import HeartbeatFile
 from reliable_jobs.keys import QueueKeys
 from testproject.demo import tasks as demo
 
-from .conftest import Processes, wait_until
 from .faultinjection import free_port
+from .helpers import Processes, wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
 KEYS = QueueKeys("rj", "default")

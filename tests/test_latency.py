@@ -29,7 +29,7 @@ from reliable_jobs.keys import QueueKeys
 from reliable_jobs.logformat import JsonLinesFormatter
 from testproject.demo import tasks as demo
 
-from .conftest import REDIS_URL, Processes
+from .helpers import REDIS_URL, Processes
 from .test_admin import configured_backend
 from .test_dashboard import enqueue_on_shard
 from .test_scripts import enqueue

@@ -19,7 +19,7 @@ from reliable_jobs.models import Job, JobState
 from testproject.demo import tasks as demo
 
 from . import test_browser
-from .conftest import Processes, wait_until
+from .helpers import Processes, wait_until
 from .test_latency import backdate
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]

@@ -18,8 +18,8 @@ from reliable_jobs.exceptions import InvalidJobArguments
 from reliable_jobs.models import Attempt, Job, JobState
 from testproject.demo import tasks as demo
 
-from .conftest import REPO, Processes, wait_until
 from .faultinjection import free_port
+from .helpers import REPO, Processes, wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
 

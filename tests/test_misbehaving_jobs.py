@@ -13,7 +13,7 @@ from reliable_jobs.keys import QueueKeys
 from reliable_jobs.models import Attempt, AttemptOutcome, Job, JobState
 from testproject.demo import tasks as demo
 
-from .conftest import Processes, wait_until
+from .helpers import Processes, wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow, pytest.mark.crash]
 KEYS = QueueKeys("rj", "default")

@@ -26,7 +26,7 @@ import pytest
 
 import reliable_jobs
 
-from .conftest import REDIS_URL, REPO
+from .helpers import REDIS_URL, REPO
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ from playwright.sync_api import Page, expect
 
 from reliable_jobs.models import Schedule, ScheduleSlot
 
-from .conftest import Processes, wait_until
+from .helpers import Processes, wait_until
 from .test_browser import browser, shoot, site  # noqa: F401  # fixtures used by name
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]

@@ -25,7 +25,7 @@ from django.db import connection
 from reliable_jobs.models import Job, JobState, Schedule, ScheduleSlot
 from reliable_jobs.periodic.scheduler import set_enabled
 
-from .conftest import Processes, wait_until
+from .helpers import Processes, wait_until
 
 pytestmark = [
     pytest.mark.django_db(transaction=True), pytest.mark.slow,

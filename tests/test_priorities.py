@@ -17,7 +17,7 @@ import redis
 from reliable_jobs import conf
 from reliable_jobs.backend import ReliableJobsBackend
 from reliable_jobs.broker import Broker, NewJob
-from tests.conftest import REDIS_URL
+from tests.helpers import REDIS_URL
 
 Q = "work"
 LONG_LEASE_MS = 60_000

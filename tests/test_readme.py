@@ -28,7 +28,7 @@ from django.db import connections
 
 from reliable_jobs.sweep import SweepReport
 
-from .conftest import REDIS_URL, REPO
+from .helpers import REDIS_URL, REPO
 
 README = REPO / "README.md"
 #: Seconds any one command may take on a loaded 2-core machine (migrate is the slowest).

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 
-from .conftest import REPO
+from .helpers import REPO
 
 #: A path to a document, as prose and comments write them.
 DOC_REFERENCE = re.compile(r"(?<![\w/.])((?:docs|bench)/[\w.-]+\.md)")

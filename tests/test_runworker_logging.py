@@ -13,7 +13,7 @@ import pytest
 
 from testproject.demo.tasks import always_fail
 
-from .conftest import Processes
+from .helpers import Processes
 
 Configure = Callable[..., dict[str, str]]
 

@@ -15,7 +15,7 @@ import redis
 
 from reliable_jobs import scripts
 
-from .conftest import REDIS_URL
+from .helpers import REDIS_URL
 
 INCLUDE_NAMES = sorted(
     path.name.removesuffix(".lua")

@@ -33,7 +33,7 @@ from reliable_jobs.broker import (
     Settlement,
 )
 from reliable_jobs.keys import QueueKeys
-from tests.conftest import wait_until
+from tests.helpers import wait_until
 
 Q = "work"
 #: A lease nobody outlives during a test.

@@ -41,7 +41,7 @@ from reliable_jobs.models import Attempt, Job, JobState
 from testproject.demo import tasks as demo
 from tests import tasks as test_tasks
 
-from .conftest import REDIS_URL, REPO, Processes
+from .helpers import REDIS_URL, REPO, Processes
 
 KEYS = QueueKeys("rj", "default")
 

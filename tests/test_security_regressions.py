@@ -27,7 +27,7 @@ from reliable_jobs.mirror import AttemptRecord
 from reliable_jobs.models import Attempt, Job, JobState
 from testproject.demo import tasks as demo
 
-from .conftest import REDIS_URL, Processes
+from .helpers import REDIS_URL, Processes
 
 pytestmark = pytest.mark.django_db(transaction=True)
 KEYS = QueueKeys("rj", "default")

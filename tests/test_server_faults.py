@@ -22,8 +22,8 @@ from reliable_jobs.keys import QueueKeys
 from reliable_jobs.models import Attempt, AttemptOutcome, Job, JobState
 from testproject.demo import tasks as demo
 
-from .conftest import Processes, wait_until
 from .faultinjection import PrivateRedis
+from .helpers import Processes, wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow, pytest.mark.crash]
 KEYS = QueueKeys("rj", "default")

@@ -25,7 +25,7 @@ import redis
 from reliable_jobs import reachability
 from reliable_jobs.models import Job
 
-from .conftest import REDIS_URL, REPO
+from .helpers import REDIS_URL, REPO
 
 Configure = Callable[..., dict[str, str]]
 

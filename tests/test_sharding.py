@@ -15,7 +15,7 @@ from reliable_jobs.keys import QueueKeys, shard_queue, shards_index
 from reliable_jobs.models import Job, JobState
 from testproject.demo import tasks as demo
 
-from .conftest import Processes, wait_until
+from .helpers import Processes, wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 

@@ -24,7 +24,7 @@ from reliable_jobs.keys import QueueKeys
 from reliable_jobs.worker import Worker
 from testproject.demo import tasks as demo
 
-from .conftest import REPO
+from .helpers import REPO
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
 KEYS = QueueKeys("rj", "default")

@@ -29,8 +29,7 @@ from reliable_jobs.models import Job, JobState
 from reliable_jobs.sweep import Sweep
 from testproject.demo import tasks as demo
 
-from .conftest import Processes, wait_until
-from .helpers import backdate
+from .helpers import Processes, backdate, wait_until
 from .test_admin import make_dead, run_attempt
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -18,7 +18,7 @@ from reliable_jobs.backend import ReliableJobsBackend
 from reliable_jobs.compat import USING_BACKPORT
 from reliable_jobs.contrib.verify.tasks import backend_alias
 
-from .conftest import REDIS_URL
+from .helpers import REDIS_URL
 
 OURS = {"BACKEND": "reliable_jobs.backend.ReliableJobsBackend",
         "OPTIONS": {"REDIS_URL": REDIS_URL}}
