@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 
 from reliable_jobs import health
-from reliable_jobs.compat import DEFAULT_TASK_BACKEND_ALIAS
-from reliable_jobs.management.commands.runworker import get_backend, queue_list
+from reliable_jobs.backend import ReliableJobsBackend
+from reliable_jobs.management.base import ReliableJobsCommand, number, queue_list, whole_number
 
 #: Exit status when a queue is not served well enough.
 QUEUE_PROBLEM = 1
@@ -23,43 +23,39 @@ QUEUE_PROBLEM = 1
 UNREACHABLE = 3
 
 
-class Command(BaseCommand):
+class Command(ReliableJobsCommand):
     help = (
         "Check that every queue of a task backend is served: exit 1 when a queue has fewer "
         "live workers (heartbeats in Redis) than --min-workers or its oldest job waited "
         "longer than --max-latency, 3 when the database or Redis does not answer, else 0. "
         "The reason is printed on one line."
     )
+    backend_help = "TASKS alias to check (default: %(default)r)."
     #: A probe asks about the servers, not the settings: no system checks (they
     #: would add their own lines, and a round trip to Redis, to every run).
     requires_system_checks: list[str] = []
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("--backend", default=DEFAULT_TASK_BACKEND_ALIAS,
-                            help="TASKS alias to check (default: %(default)r).")
         parser.add_argument("--queue", "-q", action="append", dest="queues", metavar="NAME",
                             help="Queue to check; repeat or separate with commas "
                                  "(default: every queue of the backend).")
-        parser.add_argument("--max-latency", type=float, default=None, metavar="SECONDS",
+        parser.add_argument("--max-latency",
+                            type=number(0, "--max-latency must be at least 0 seconds."),
+                            default=None, metavar="SECONDS",
                             help="Fail when a queue's oldest ready job (or oldest due "
                                  "scheduled job) waited longer (default: no limit).")
-        parser.add_argument("--min-workers", type=int, default=1, metavar="N",
+        parser.add_argument("--min-workers",
+                            type=whole_number(0, "--min-workers must be at least 0."),
+                            default=1, metavar="N",
                             help="Fail when a queue has fewer live workers "
                                  "(default: %(default)r).")
 
-    def handle(self, *args: Any, **options: Any) -> None:
-        backend = get_backend(options["backend"])
-        if backend.config.problems:
-            raise CommandError(" ".join(message for _, message in backend.config.problems))
+    def handle_backend(self, backend: ReliableJobsBackend, options: dict[str, Any]) -> None:
         queues = queue_list(options["queues"]) or sorted(backend.queues)
         unknown = sorted(set(queues) - backend.queues)
         if unknown:
             raise CommandError(f"Queue(s) {', '.join(unknown)} are not in "
                                f"TASKS[{backend.alias!r}]['QUEUES'].")
-        if options["max_latency"] is not None and options["max_latency"] < 0:
-            raise CommandError("--max-latency must be at least 0 seconds.")
-        if options["min_workers"] < 0:
-            raise CommandError("--min-workers must be at least 0.")
         report = health.check(backend, queues=queues, max_latency_s=options["max_latency"],
                               min_workers=options["min_workers"])
         if report.problems:

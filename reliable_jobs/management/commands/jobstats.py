@@ -6,21 +6,20 @@ import json
 from dataclasses import asdict
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 from django.db import DatabaseError
 from django.utils import timezone
 
 from reliable_jobs import dashboard, taskstats
 from reliable_jobs.backend import ReliableJobsBackend
-from reliable_jobs.compat import DEFAULT_TASK_BACKEND_ALIAS
-from reliable_jobs.management.commands.runworker import get_backend
+from reliable_jobs.management.base import ReliableJobsCommand
 from reliable_jobs.redaction import mask_password
 
 #: Minutes listed one by one (newest last); the hour's totals cover the rest.
 RECENT_MINUTES = 10
 
 
-class Command(BaseCommand):
+class Command(ReliableJobsCommand):
     help = (
         "Print, for one task backend, what the admin's live dashboard shows: per queue the "
         "jobs queued, running, scheduled and dead (live from Redis, every shard of a sharded "
@@ -31,10 +30,9 @@ class Command(BaseCommand):
         "job) is marked with '!' past OPTIONS['LATENCY_WARNING_MS']. Exits with status 1 "
         "when a server did not answer, so it can serve as a health check."
     )
+    backend_help = "TASKS alias to report on (default: %(default)r)."
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("--backend", default=DEFAULT_TASK_BACKEND_ALIAS,
-                            help="TASKS alias to report on (default: %(default)r).")
         parser.add_argument("--json", action="store_true",
                             help="Print one JSON object instead (for scripts): queues with "
                                  "their counts and latency per shard, workers, throughput, "
@@ -42,10 +40,7 @@ class Command(BaseCommand):
         parser.add_argument("--tasks", choices=sorted(taskstats.WINDOWS), default=None,
                             help="Also print per-task figures over this window.")
 
-    def handle(self, *args: Any, **options: Any) -> None:
-        backend = get_backend(options["backend"])
-        if backend.config.problems:
-            raise CommandError(" ".join(message for _, message in backend.config.problems))
+    def handle_backend(self, backend: ReliableJobsBackend, options: dict[str, Any]) -> None:
         snap = dashboard.snapshot(backend)
         if options["json"]:
             self._json(backend, snap)

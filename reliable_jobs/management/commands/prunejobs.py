@@ -5,46 +5,50 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 from django.db import DatabaseError
 
 from reliable_jobs import retention
+from reliable_jobs.backend import ReliableJobsBackend
 from reliable_jobs.broker import REDIS_ERRORS
-from reliable_jobs.compat import DEFAULT_TASK_BACKEND_ALIAS
-from reliable_jobs.management.commands.runworker import get_backend
+from reliable_jobs.management.base import ReliableJobsCommand, number, whole_number
+
+#: Said of a bad --older-than, and of a bad RELIABLE_JOBS_PRUNE_DAYS.
+BAD_DAYS = ("--older-than (or RELIABLE_JOBS_PRUNE_DAYS) must be a number of days >= 0, "
+            "not {value!r}.")
 
 
-class Command(BaseCommand):
+class Command(ReliableJobsCommand):
     help = (
         "Delete jobs that finished (succeeded, dead or cancelled) more than --older-than "
         "days ago, with their attempts, in batches; a dead job's Redis hash goes too. "
         "Unfinished jobs are never touched. Run it daily from cron; safe to run while "
         "workers run."
     )
+    backend_help = "TASKS alias whose jobs are pruned (default: %(default)r)."
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument(
-            "--older-than", type=float, default=None, metavar="DAYS",
+            "--older-than", type=number(0, BAD_DAYS), default=None, metavar="DAYS",
             help="Days since a job finished (and was last changed) before it is deleted "
                  "(default: settings.RELIABLE_JOBS_PRUNE_DAYS, or "
                  f"{retention.DEFAULT_PRUNE_DAYS}).")
-        parser.add_argument("--batch-size", type=int, default=retention.DEFAULT_BATCH,
+        parser.add_argument("--batch-size",
+                            type=whole_number(1, "--batch-size must be a whole number >= 1."),
+                            default=retention.DEFAULT_BATCH,
                             help="Jobs deleted per transaction (default: %(default)r).")
-        parser.add_argument("--backend", default=DEFAULT_TASK_BACKEND_ALIAS,
-                            help="TASKS alias whose jobs are pruned (default: %(default)r).")
 
     def handle(self, *args: Any, **options: Any) -> None:
+        # The setting is checked before the backend, as --older-than is by its type.
         days = options["older_than"]
         if days is None:
-            days = retention.prune_days()
+            days = options["older_than"] = retention.prune_days()
         if isinstance(days, bool) or not isinstance(days, int | float) or days < 0:
-            raise CommandError(f"--older-than (or RELIABLE_JOBS_PRUNE_DAYS) must be a number "
-                               f"of days >= 0, not {days!r}.")
-        if options["batch_size"] < 1:
-            raise CommandError("--batch-size must be a whole number >= 1.")
-        backend = get_backend(options["backend"])
-        if backend.config.problems:
-            raise CommandError(" ".join(message for _, message in backend.config.problems))
+            raise CommandError(BAD_DAYS.format(value=days))
+        super().handle(*args, **options)
+
+    def handle_backend(self, backend: ReliableJobsBackend, options: dict[str, Any]) -> None:
+        days = options["older_than"]
         try:
             report = retention.prune(backend, older_than=timedelta(days=days),
                                      batch=options["batch_size"])

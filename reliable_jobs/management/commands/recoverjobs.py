@@ -7,16 +7,16 @@ import threading
 import time
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 from django.db import DatabaseError
 
+from reliable_jobs.backend import ReliableJobsBackend
 from reliable_jobs.broker import REDIS_ERRORS
-from reliable_jobs.compat import DEFAULT_TASK_BACKEND_ALIAS
-from reliable_jobs.management.commands.runworker import configure_logging, get_backend
+from reliable_jobs.management.base import ReliableJobsCommand, number
 from reliable_jobs.sweep import Sweep, SweepReport
 
 
-class Command(BaseCommand):
+class Command(ReliableJobsCommand):
     help = (
         "Recover jobs whose worker died (expired leases), promote due scheduled jobs, and "
         "push again every unfinished job Redis lost (reconcile with the database). Run one "
@@ -34,22 +34,19 @@ class Command(BaseCommand):
         "jobs Redis had lost, rebuilt and pushed again); buried (of those, deaths Redis "
         "recorded that the database lacked)."
     )
+    backend_help = "TASKS alias to sweep (default: %(default)r)."
+    logging_mode = "verbosity"
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("--interval", type=float, default=None,
+        parser.add_argument("--interval",
+                            type=number(0, "--interval must be a positive number of seconds.",
+                                        above=True),
+                            default=None,
                             help="Seconds between passes; loop until interrupted "
                                  "(default: one pass).")
-        parser.add_argument("--backend", default=DEFAULT_TASK_BACKEND_ALIAS,
-                            help="TASKS alias to sweep (default: %(default)r).")
 
-    def handle(self, *args: Any, **options: Any) -> None:
-        configure_logging(options["verbosity"])
-        backend = get_backend(options["backend"])
-        if backend.config.problems:
-            raise CommandError(" ".join(message for _, message in backend.config.problems))
+    def handle_backend(self, backend: ReliableJobsBackend, options: dict[str, Any]) -> None:
         interval = options["interval"]
-        if interval is not None and interval <= 0:
-            raise CommandError("--interval must be a positive number of seconds.")
         sweep = Sweep(backend)
 
         def report_pass(report: SweepReport, took_ms: float) -> None:

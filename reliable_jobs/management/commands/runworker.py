@@ -2,111 +2,53 @@
 
 from __future__ import annotations
 
-import logging
-import sys
 from pathlib import Path
 from typing import Any
 
 from django.conf import settings
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 
 from reliable_jobs import logformat, metrics
 from reliable_jobs.backend import ReliableJobsBackend
-from reliable_jobs.compat import (
-    DEFAULT_TASK_BACKEND_ALIAS,
-    TASKS_LOGGER,
-    InvalidTaskBackend,
-    task_backends,
-)
 from reliable_jobs.health import HeartbeatFile
+from reliable_jobs.management.base import ReliableJobsCommand, number, queue_list, whole_number
 from reliable_jobs.supervisor import Supervisor, runworker_command_line
 from reliable_jobs.worker import Worker, default_worker_id
 
-VERBOSITY_LEVELS = {0: logging.WARNING, 1: logging.INFO, 2: logging.DEBUG, 3: logging.DEBUG}
 
-
-def get_backend(alias: str) -> ReliableJobsBackend:
-    """Return the reliable_jobs backend ``alias``, or raise a CommandError that says why."""
-    try:
-        backend = task_backends[alias]
-    except InvalidTaskBackend as exc:
-        raise CommandError(f"There is no task backend {alias!r} in TASKS ({exc}).") from None
-    if not isinstance(backend, ReliableJobsBackend):
-        raise CommandError(
-            f"TASKS[{alias!r}] uses {type(backend).__name__}, not ReliableJobsBackend."
-        )
-    return backend
-
-
-def configure_logging(verbosity: int, log_format: str = "text") -> None:
-    """Map ``-v`` onto the reliable_jobs loggers, printing to stderr.
-
-    Django's own ``django.tasks`` logger (``django_tasks`` with the backport)
-    repeats our per-job line with less in it (and costs about 20 us a job); it
-    speaks only from ``-v 2`` on. Below that it is silenced outright, not
-    just held to WARNING: it logs every failed attempt at ERROR with the
-    full traceback, beside our one line that already names the error (the
-    traceback is kept in the job's attempt, shown in the admin).
-    ``log_format`` "json" prints JSON lines (see reliable_jobs.logformat),
-    through the handlers the project gave the reliable_jobs logger, if any.
-    """
-    logger = logging.getLogger("reliable_jobs")
-    logger.setLevel(VERBOSITY_LEVELS.get(verbosity, logging.DEBUG))
-    logging.getLogger(TASKS_LOGGER).setLevel(
-        logging.DEBUG if verbosity >= 2 else logging.CRITICAL + 1)
-    if log_format == "json":
-        logformat.use_json_lines(logger)
-    elif not logger.handlers and not logging.getLogger().handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter(logformat.TEXT_FORMAT))
-        logger.addHandler(handler)
-
-
-def add_queue_and_backend_arguments(parser: CommandParser) -> None:
-    """``--queue`` and ``--backend`` for the commands that work on one queue."""
-    parser.add_argument("--queue", default=None,
-                        help="Queue to use (default: the backend's first queue).")
-    parser.add_argument("--backend", default=DEFAULT_TASK_BACKEND_ALIAS,
-                        help="TASKS alias (default: %(default)r).")
-
-
-def quiet_logging() -> None:
-    """Silence per-job log lines for commands that measure or print a table."""
-    for name in ("reliable_jobs", TASKS_LOGGER):
-        logging.getLogger(name).setLevel(logging.WARNING)
-
-
-def queue_list(values: list[str] | None) -> list[str]:
-    return [q.strip() for value in values or [] for q in value.split(",") if q.strip()]
-
-
-class Command(BaseCommand):
+class Command(ReliableJobsCommand):
     help = (
         "Run a reliable_jobs worker: claim jobs from Redis, run them, mirror the outcome. "
         "Stop it with SIGTERM or Ctrl-C (a second one stops at once)."
     )
+    backend_help = "TASKS alias to serve (default: %(default)r)."
+    logging_mode = "verbosity"
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--queue", "-q", action="append", dest="queues", metavar="NAME",
                             help="Queue to serve; repeat or separate with commas "
                                  "(default: every queue of the backend).")
-        parser.add_argument("--concurrency", "-c", type=int, default=1,
+        parser.add_argument("--concurrency", "-c",
+                            type=whole_number(1, "--concurrency must be at least 1."), default=1,
                             help="Threads running tasks (default: %(default)r).")
-        parser.add_argument("--prefetch", type=int, default=None,
+        parser.add_argument("--prefetch",
+                            type=whole_number(0, "--prefetch must be at least 0."), default=None,
                             help="Jobs claimed beyond those running, so one claim fetches a "
                                  "batch (default: OPTIONS['PREFETCH']).")
         parser.add_argument("--burst", action="store_true",
                             help="Exit when nothing is queued, running or scheduled.")
-        parser.add_argument("--burst-give-up", type=float, default=60.0, metavar="SECONDS",
+        parser.add_argument("--burst-give-up",
+                            type=number(0, "--burst-give-up must be more than 0 seconds.",
+                                        above=True),
+                            default=60.0, metavar="SECONDS",
                             help="With --burst: exit with an error when Redis has not answered "
                                  "for this long (default: %(default)r).")
-        parser.add_argument("--max-jobs", type=int, default=None,
+        parser.add_argument("--max-jobs",
+                            type=whole_number(1, "--max-jobs must be at least 1."), default=None,
                             help="Exit after claiming this many jobs (default: no limit).")
         parser.add_argument("--worker-id", default=None,
                             help="Name shown in attempts and heartbeats "
                                  "(default: host:pid:random).")
-        parser.add_argument("--backend", default=DEFAULT_TASK_BACKEND_ALIAS,
-                            help="TASKS alias to serve (default: %(default)r).")
         parser.add_argument("--grace", type=float, default=30.0,
                             help="Seconds running jobs get to finish after the first "
                                  "SIGTERM (default: %(default)r).")
@@ -114,7 +56,8 @@ class Command(BaseCommand):
                             help="Do not fire periodic jobs from this worker (by default every "
                                  "worker runs a scheduler; each slot is enqueued once however "
                                  "many do).")
-        parser.add_argument("--processes", type=int, default=1,
+        parser.add_argument("--processes",
+                            type=whole_number(1, "--processes must be at least 1."), default=1,
                             help="Worker processes, each running --concurrency threads. Above "
                                  "1 this process supervises them: it restarts one that fails "
                                  "or is killed, forwards SIGTERM/SIGINT, and exits once all "
@@ -136,16 +79,15 @@ class Command(BaseCommand):
                                  "each attempt's fields) for log shippers (default: "
                                  "settings.RELIABLE_JOBS_LOG_FORMAT, or 'text').")
 
-    def handle(self, *args: Any, **options: Any) -> None:
-        log_format = options["log_format"] or getattr(settings, "RELIABLE_JOBS_LOG_FORMAT",
-                                                      "text")
+    def log_format(self, options: dict[str, Any]) -> str:
+        log_format: str = (options["log_format"]
+                           or getattr(settings, "RELIABLE_JOBS_LOG_FORMAT", "text"))
         if log_format not in logformat.LOG_FORMATS:
             raise CommandError(f"RELIABLE_JOBS_LOG_FORMAT must be 'text' or 'json', not "
                                f"{log_format!r}.")
-        configure_logging(options["verbosity"], log_format)
-        backend = get_backend(options["backend"])
-        if backend.config.problems:
-            raise CommandError(" ".join(message for _, message in backend.config.problems))
+        return log_format
+
+    def handle_backend(self, backend: ReliableJobsBackend, options: dict[str, Any]) -> None:
         queues = queue_list(options["queues"]) or sorted(backend.queues)
         unknown = sorted(set(queues) - backend.queues)
         if unknown:
@@ -153,16 +95,6 @@ class Command(BaseCommand):
                 f"Queue(s) {', '.join(unknown)} are not in TASKS[{backend.alias!r}]['QUEUES'] "
                 f"({', '.join(sorted(backend.queues))})."
             )
-        if options["concurrency"] < 1:
-            raise CommandError("--concurrency must be at least 1.")
-        if options["prefetch"] is not None and options["prefetch"] < 0:
-            raise CommandError("--prefetch must be at least 0.")
-        if options["max_jobs"] is not None and options["max_jobs"] < 1:
-            raise CommandError("--max-jobs must be at least 1.")
-        if options["processes"] < 1:
-            raise CommandError("--processes must be at least 1.")
-        if options["burst_give_up"] <= 0:
-            raise CommandError("--burst-give-up must be more than 0 seconds.")
         port = options["metrics_port"]
         if port is not None:
             if not metrics.available():

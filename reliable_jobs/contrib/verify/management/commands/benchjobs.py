@@ -6,13 +6,10 @@ from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 
-from reliable_jobs.management.commands.runworker import (
-    add_queue_and_backend_arguments,
-    get_backend,
-    quiet_logging,
-)
+from reliable_jobs.backend import ReliableJobsBackend
+from reliable_jobs.management.base import ReliableJobsCommand, number, whole_number
 
 from ...bench import (
     Figure,
@@ -27,16 +24,21 @@ from ...bench import (
     sustained,
 )
 
+#: Said of a bad --jobs, --runs or --concurrency.
+AT_LEAST_ONE = "--jobs, --runs and --concurrency must be at least 1."
+#: Said of a bad --sustained or --retention-minutes.
+NOT_NEGATIVE = "--sustained and --retention-minutes must be >= 0."
+
 
 def in_flight_depths(text: str) -> list[int]:
-    """``--ack-depths`` as whole numbers (empty to skip)."""
+    """``--ack-depths`` as whole numbers (empty to skip); an argparse ``type=``."""
     depths = [int(x) for x in text.split(",") if x.strip()]
     if any(depth < 1 for depth in depths):
         raise CommandError("--ack-depths must be whole numbers >= 1.")
     return depths
 
 
-class Command(BaseCommand):
+class Command(ReliableJobsCommand):
     help = (
         "Benchmark: enqueue N no-op jobs in bulk and M one by one (each its own transaction), "
         "then drain them with one worker in this process, mirror on; print jobs/s, the "
@@ -45,16 +47,20 @@ class Command(BaseCommand):
         "rounds while pruning instead. The queue must be empty. Never run it against "
         "production."
     )
+    logging_mode = "quiet"
+    #: Unlike the other commands, it runs on a backend whose OPTIONS the checks
+    #: reject (kept as it was; issue 15 notes it lacks the check).
+    refuse_bad_options = False
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("--jobs", type=int, default=20_000,
+        parser.add_argument("--jobs", type=whole_number(1, AT_LEAST_ONE), default=20_000,
                             help="Jobs enqueued in bulk per run (default: %(default)r).")
         parser.add_argument("--singles", type=int, default=2_000,
                             help="Jobs enqueued one call each per run; the floor is measured "
                                  "with as many (default: %(default)r).")
-        parser.add_argument("--runs", type=int, default=3,
+        parser.add_argument("--runs", type=whole_number(1, AT_LEAST_ONE), default=3,
                             help="Runs; the median is shown (default: %(default)r).")
-        parser.add_argument("--concurrency", type=int, default=1,
+        parser.add_argument("--concurrency", type=whole_number(1, AT_LEAST_ONE), default=1,
                             help="Worker threads (default: %(default)r).")
         parser.add_argument("--prefetch", type=int, default=None,
                             help="Jobs claimed beyond those running, so one claim fetches a "
@@ -66,7 +72,7 @@ class Command(BaseCommand):
                             help="Queue lengths at which to measure the drain rate of "
                                  "2,000 jobs and Redis memory per job, comma-separated "
                                  "('' to skip; default: %(default)r).")
-        parser.add_argument("--ack-depths", default="1000,20000",
+        parser.add_argument("--ack-depths", type=in_flight_depths, default="1000,20000",
                             help="Jobs in flight (claimed, unacked) at which to time acks, "
                                  "comma-separated; the ratio is last / first ('' to skip; "
                                  "default: %(default)r).")
@@ -75,27 +81,23 @@ class Command(BaseCommand):
         parser.add_argument("--many-queues", type=int, default=500,
                             help="Queues configured for the many-queues drain, work on one "
                                  "(0 to skip; default: %(default)r).")
-        parser.add_argument("--sustained", type=int, default=0, metavar="N",
+        parser.add_argument("--sustained", type=whole_number(0, NOT_NEGATIVE), default=0,
+                            metavar="N",
                             help="Instead of the above: run N jobs through one long-lived "
                                  "worker in rounds of --jobs, pruning with "
                                  "--retention-minutes between rounds; print each round "
                                  "(default: off).")
-        parser.add_argument("--retention-minutes", type=float, default=10.0,
+        parser.add_argument("--retention-minutes", type=number(0, NOT_NEGATIVE), default=10.0,
                             help="--sustained: prune jobs finished this long ago "
                                  "(default: %(default)r).")
-        add_queue_and_backend_arguments(parser)
+        parser.add_argument("--queue", default=None,
+                            help="Queue to use (default: the backend's first queue).")
 
-    def handle(self, *args: Any, **options: Any) -> None:
-        quiet_logging()
-        backend = get_backend(options["backend"])
+    def handle_backend(self, backend: ReliableJobsBackend, options: dict[str, Any]) -> None:
         queue = options["queue"] or sorted(backend.queues)[0]
         if queue not in backend.queues:
             raise CommandError(f"Queue {queue!r} is not in the backend's QUEUES.")
-        if min(options["jobs"], options["runs"], options["concurrency"]) < 1:
-            raise CommandError("--jobs, --runs and --concurrency must be at least 1.")
-        if options["sustained"] < 0 or options["retention_minutes"] < 0:
-            raise CommandError("--sustained and --retention-minutes must be >= 0.")
-        depths = in_flight_depths(options["ack_depths"])
+        depths: list[int] = options["ack_depths"]
         counts = backend.broker.counts(queue)
         if counts.queued or counts.running or counts.scheduled:
             raise CommandError(

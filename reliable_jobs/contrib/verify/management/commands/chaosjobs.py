@@ -4,18 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 
-from reliable_jobs.management.commands.runworker import (
-    add_queue_and_backend_arguments,
-    get_backend,
-    quiet_logging,
-)
+from reliable_jobs.backend import ReliableJobsBackend
+from reliable_jobs.management.base import ReliableJobsCommand
 
 from ...chaos import DEFAULT_TASK, ChaosConfig, ChaosError, ChaosRun, Interrupted
 
 
-class Command(BaseCommand):
+class Command(ReliableJobsCommand):
     help = (
         "Chaos run: start --workers `runworker` processes and a `recoverjobs --interval 0.5` "
         "sweep, enqueue --jobs jobs, SIGKILL a random worker every --kill-every seconds for "
@@ -34,6 +31,7 @@ class Command(BaseCommand):
         "--task is this app's and belongs to the default reliable_jobs backend. Needs an "
         "idle queue; never run it against production."
     )
+    logging_mode = "quiet"
 
     def add_arguments(self, parser: CommandParser) -> None:
         defaults = ChaosConfig()
@@ -79,13 +77,10 @@ class Command(BaseCommand):
                             help="How long PostgreSQL stays cut off (default: %(default)r).")
         parser.add_argument("--seed", type=int, default=None,
                             help="Seed of the choice of victims (default: random, printed).")
-        add_queue_and_backend_arguments(parser)
+        parser.add_argument("--queue", default=None,
+                            help="Queue to use (default: the backend's first queue).")
 
-    def handle(self, *args: Any, **options: Any) -> None:
-        quiet_logging()
-        backend = get_backend(options["backend"])
-        if backend.config.problems:
-            raise CommandError(" ".join(message for _, message in backend.config.problems))
+    def handle_backend(self, backend: ReliableJobsBackend, options: dict[str, Any]) -> None:
         config = ChaosConfig(
             jobs=options["jobs"], workers=options["workers"],
             concurrency=options["concurrency"], kill_every_s=options["kill_every"],
