@@ -80,8 +80,8 @@ class ReliableJobsBackend(BaseTaskBackend):
     def database(self) -> str:
         return self.config.DATABASE
 
-    def problems(self) -> list[tuple[str, str]]:
-        """What is wrong with this backend's settings, as (check id, message) pairs.
+    def problems(self) -> list[conf.Problem]:
+        """What is wrong with this backend's settings, as (kind, message) pairs.
 
         OPTIONS alone (``conf.parse``), plus what needs the rest of the
         settings: an unknown DATABASE alias would otherwise surface as a
@@ -94,13 +94,13 @@ class ReliableJobsBackend(BaseTaskBackend):
             # enqueue may be where this is seen, and it must say the fix
             # rather than fail on a model import.
             problems.append((
-                "reliable_jobs.E009",
+                conf.ProblemKind.APP_NOT_INSTALLED,
                 "'reliable_jobs' is not in INSTALLED_APPS: add it, so that its models and "
                 "commands exist.",
             ))
         if self.config.DATABASE not in settings.DATABASES:
             problems.append((
-                "reliable_jobs.E008",
+                conf.ProblemKind.UNKNOWN_DATABASE,
                 f"OPTIONS['DATABASE'] is {self.config.DATABASE!r}, which is not in DATABASES.",
             ))
         return problems

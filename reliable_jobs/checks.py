@@ -1,7 +1,10 @@
 """System checks for ``ReliableJobsBackend`` settings, with stable ids.
 
 ``manage.py check`` reports every problem at once, instead of the first
-enqueue failing in production. Ids:
+enqueue failing in production. This module owns every id: ``conf.parse`` and
+``ReliableJobsBackend.problems()`` report a problem's kind
+(:class:`~reliable_jobs.conf.ProblemKind`), and :data:`PROBLEM_IDS` names its
+id. Ids:
 
 - E001 unknown OPTIONS key (a typo), E002 bad REDIS_URL, E003 bad value,
   E004 MAX_ATTEMPTS < 1, E005 unusable PREFIX or queue name, E006 lease not
@@ -22,8 +25,7 @@ enqueue failing in production. Ids:
 - W002 REDIS_URL not set (absent, None or empty: usually an environment
   variable that is missing), so the default URL is used.
 - E014 settings.RELIABLE_JOBS_LOG_FORMAT is neither "text" nor "json".
-- W020 the metrics view is mounted but prometheus_client is not installed
-  (registered by ``metrics.py``).
+- W020 the metrics view is mounted but prometheus_client is not installed.
 
 Nothing here runs at import: a missing or unreachable Redis is reported by
 ``manage.py check``, never raised while settings or apps load.
@@ -31,6 +33,7 @@ Nothing here runs at import: a missing or unreachable Redis is reported by
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
@@ -38,7 +41,7 @@ from django.core import checks
 from redis.exceptions import ResponseError
 
 from .broker import REDIS_ERRORS, connect
-from .conf import DEFAULTS
+from .conf import DEFAULTS, Problem, ProblemKind
 from .keys import is_valid_queue_name
 from .redaction import mask_password
 
@@ -48,12 +51,32 @@ if TYPE_CHECKING:
 #: Seconds the reachability check waits for Redis.
 PING_TIMEOUT_S = 1.0
 
+#: The check id of each kind of problem ``conf.parse`` and ``backend.problems()`` report.
+PROBLEM_IDS: dict[ProblemKind, str] = {
+    ProblemKind.UNKNOWN_OPTION: "reliable_jobs.E001",
+    ProblemKind.BAD_REDIS_URL: "reliable_jobs.E002",
+    ProblemKind.BAD_VALUE: "reliable_jobs.E003",
+    ProblemKind.BAD_MAX_ATTEMPTS: "reliable_jobs.E004",
+    ProblemKind.BAD_NAME: "reliable_jobs.E005",
+    ProblemKind.RENEWAL_NOT_SHORTER_THAN_LEASE: "reliable_jobs.E006",
+    ProblemKind.GRACE_SHORTER_THAN_LEASE: "reliable_jobs.E007",
+    ProblemKind.UNKNOWN_DATABASE: "reliable_jobs.E008",
+    ProblemKind.APP_NOT_INSTALLED: "reliable_jobs.E009",
+    ProblemKind.BAD_SHARDS: "reliable_jobs.E010",
+    ProblemKind.BAD_SCHEDULE: "reliable_jobs.E011",
+}
+
+
+def with_ids(problems: Iterable[Problem]) -> list[tuple[str, str]]:
+    """``problems`` as (check id, message) pairs, as ``manage.py check`` shows them."""
+    return [(PROBLEM_IDS[kind], message) for kind, message in problems]
+
 
 def check_backend(backend: ReliableJobsBackend) -> list[checks.CheckMessage]:
     where = f"TASKS[{backend.alias!r}]"
     messages: list[checks.CheckMessage] = [
         checks.Error(f"{where}: {message}", id=check_id)
-        for check_id, message in backend.problems()
+        for check_id, message in with_ids(backend.problems())
     ]
     for queue in sorted(backend.queues):
         if not is_valid_queue_name(queue):
@@ -240,4 +263,26 @@ def check_log_format(app_configs: Any = None, **kwargs: Any) -> list[checks.Chec
         "lines.",
         hint="Set it to 'json' for one JSON object per line, or remove it.",
         id="reliable_jobs.E014",
+    )]
+
+
+@checks.register(checks.Tags.urls)
+def check_metrics_view(**kwargs: Any) -> list[checks.CheckMessage]:
+    """W020: the metrics view is mounted but prometheus_client is not installed."""
+    from . import metrics
+
+    if metrics.available():
+        return []
+    from django.urls import get_resolver
+
+    try:
+        mounted = metrics.mounted(list(get_resolver().url_patterns))
+    except Exception:  # a broken URLconf is Django's own check to report
+        return []
+    if not mounted:
+        return []
+    return [checks.Warning(
+        "The reliable_jobs metrics view is mounted, but " + metrics.MISSING,
+        hint="Install the extra, or remove the view from your URLconf.",
+        id="reliable_jobs.W020",
     )]

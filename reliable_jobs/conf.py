@@ -2,12 +2,14 @@
 
 Options are read when the backend is built (Django rebuilds backends when
 ``TASKS`` changes, so ``override_settings`` works). Problems are collected,
-not raised, so the system check can report all of them with stable ids; the
-backend raises ``ImproperlyConfigured`` only when used with bad options.
+not raised, so the system check can report all of them; the backend raises
+``ImproperlyConfigured`` only when used with bad options. A problem says its
+kind (:class:`ProblemKind`), not a check id: ``checks.py`` owns the ids.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field, fields
 from difflib import get_close_matches
 from typing import Any
@@ -18,6 +20,26 @@ from .redaction import SafeExceptionReporterFilter, mask_password
 
 #: Redis URL schemes accepted by ``redis.Redis.from_url``.
 REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
+
+
+class ProblemKind(enum.Enum):
+    """What sort of settings mistake a problem is; ``checks.PROBLEM_IDS`` gives its id."""
+
+    UNKNOWN_OPTION = enum.auto()
+    BAD_REDIS_URL = enum.auto()
+    BAD_VALUE = enum.auto()
+    BAD_MAX_ATTEMPTS = enum.auto()
+    BAD_NAME = enum.auto()
+    RENEWAL_NOT_SHORTER_THAN_LEASE = enum.auto()
+    GRACE_SHORTER_THAN_LEASE = enum.auto()
+    UNKNOWN_DATABASE = enum.auto()
+    APP_NOT_INSTALLED = enum.auto()
+    BAD_SHARDS = enum.auto()
+    BAD_SCHEDULE = enum.auto()
+
+
+#: One problem: its kind and a whole-sentence message.
+Problem = tuple[ProblemKind, str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,8 +95,8 @@ class BackendOptions:
     #: "tz": ..., or "every_ms": ..., "args": [...], "kwargs": {...},
     #: "catch_up": "all" | "last" | "none", "queue": ...}} (see periodic/declared.py).
     SCHEDULE: dict[str, Any] = field(default_factory=dict)
-    #: What parse() found wrong, as (check id, message) pairs.
-    problems: tuple[tuple[str, str], ...] = field(default=(), compare=False)
+    #: What parse() found wrong, as (kind, message) pairs.
+    problems: tuple[Problem, ...] = field(default=(), compare=False)
 
     @property
     def renew_interval_ms(self) -> int:
@@ -106,19 +128,19 @@ _OPTIONAL = {"TIMEOUT_MS", "RENEW_INTERVAL_MS", "PREFETCH", "LATENCY_WARNING_MS"
 def parse(raw: Any) -> BackendOptions:
     """Build options from a TASKS OPTIONS dict, collecting every problem.
 
-    Each problem is ``(check id, whole-sentence message)``; a bad value falls
+    Each problem is ``(kind, whole-sentence message)``; a bad value falls
     back to its default so the rest can still be checked.
     """
-    problems: list[tuple[str, str]] = []
+    problems: list[Problem] = []
     if not isinstance(raw, dict):
-        return BackendOptions(problems=(("reliable_jobs.E003", "OPTIONS must be a dict."),))
+        return BackendOptions(problems=((ProblemKind.BAD_VALUE, "OPTIONS must be a dict."),))
     values: dict[str, Any] = {}
     for key, value in raw.items():
         if key not in OPTION_NAMES:
             close = get_close_matches(str(key).upper(), OPTION_NAMES, n=1)
             known = f"did you mean {close[0]!r}? Known" if close else "known"
             problems.append(
-                ("reliable_jobs.E001", f"Unknown OPTIONS key {key!r}; {known} keys are "
+                (ProblemKind.UNKNOWN_OPTION, f"Unknown OPTIONS key {key!r}; {known} keys are "
                  f"{', '.join(OPTION_NAMES)}.")
             )
             continue
@@ -128,9 +150,10 @@ def parse(raw: Any) -> BackendOptions:
                 continue
             minimum = _MINIMUMS[key]
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                check_id = "reliable_jobs.E004" if key == "MAX_ATTEMPTS" else "reliable_jobs.E003"
+                kind = (ProblemKind.BAD_MAX_ATTEMPTS if key == "MAX_ATTEMPTS"
+                        else ProblemKind.BAD_VALUE)
                 problems.append(
-                    (check_id, f"OPTIONS[{key!r}] must be a whole number >= {minimum}, "
+                    (kind, f"OPTIONS[{key!r}] must be a whole number >= {minimum}, "
                      f"not {value!r}.")
                 )
                 continue
@@ -142,12 +165,12 @@ def parse(raw: Any) -> BackendOptions:
     url = values.get("REDIS_URL", DEFAULTS.REDIS_URL)
     url_problem = redis_url_problem(url)
     if url_problem:
-        problems.append(("reliable_jobs.E002", url_problem))
+        problems.append((ProblemKind.BAD_REDIS_URL, url_problem))
         values.pop("REDIS_URL", None)
     prefix = values.get("PREFIX", DEFAULTS.PREFIX)
     if not isinstance(prefix, str) or not PREFIX_RE.fullmatch(prefix):
         problems.append(
-            ("reliable_jobs.E005", f"OPTIONS['PREFIX'] {prefix!r} is not usable in a Redis key: "
+            (ProblemKind.BAD_NAME, f"OPTIONS['PREFIX'] {prefix!r} is not usable in a Redis key: "
              "use 1 to 100 letters, digits, '.', '_' or '-'.")
         )
         values.pop("PREFIX", None)
@@ -157,7 +180,7 @@ def parse(raw: Any) -> BackendOptions:
         and 1 <= n <= MAX_SHARDS for q, n in shards.items()
     ):
         problems.append(
-            ("reliable_jobs.E010", f"OPTIONS['SHARDS'] must map queue names to a number of "
+            (ProblemKind.BAD_SHARDS, f"OPTIONS['SHARDS'] must map queue names to a number of "
              f"shards from 1 to {MAX_SHARDS}, not {shards!r}.")
         )
         values.pop("SHARDS", None)
@@ -165,28 +188,31 @@ def parse(raw: Any) -> BackendOptions:
         from .periodic.declared import from_options
 
         _, schedule_problems = from_options(values["SCHEDULE"], backend="")
-        problems += [("reliable_jobs.E011", message) for message in schedule_problems]
+        problems += [(ProblemKind.BAD_SCHEDULE, message) for message in schedule_problems]
         if not isinstance(values["SCHEDULE"], dict):
             values.pop("SCHEDULE")
     if not isinstance(values.get("DATABASE", "default"), str):
-        problems.append(("reliable_jobs.E003", "OPTIONS['DATABASE'] must be a database alias."))
+        problems.append((ProblemKind.BAD_VALUE,
+                         "OPTIONS['DATABASE'] must be a database alias."))
         values.pop("DATABASE")
     options = BackendOptions(**values)
     if options.renew_interval_ms >= options.LEASE_MS:
         problems.append(
-            ("reliable_jobs.E006", f"OPTIONS['RENEW_INTERVAL_MS'] ({options.renew_interval_ms}) "
+            (ProblemKind.RENEWAL_NOT_SHORTER_THAN_LEASE,
+             f"OPTIONS['RENEW_INTERVAL_MS'] ({options.renew_interval_ms}) "
              f"must be shorter than OPTIONS['LEASE_MS'] ({options.LEASE_MS}), or leases "
              "expire between renewals.")
         )
     if options.RECONCILE_GRACE_MS < options.LEASE_MS:
         problems.append(
-            ("reliable_jobs.E007", f"OPTIONS['RECONCILE_GRACE_MS'] ({options.RECONCILE_GRACE_MS})"
+            (ProblemKind.GRACE_SHORTER_THAN_LEASE,
+             f"OPTIONS['RECONCILE_GRACE_MS'] ({options.RECONCILE_GRACE_MS})"
              f" must be at least OPTIONS['LEASE_MS'] ({options.LEASE_MS}), or reconcile could "
              "push a healthy job twice.")
         )
     if options.RETRY_MAX_MS < options.RETRY_BASE_MS:
         problems.append(
-            ("reliable_jobs.E003", "OPTIONS['RETRY_MAX_MS'] must be at least "
+            (ProblemKind.BAD_VALUE, "OPTIONS['RETRY_MAX_MS'] must be at least "
              "OPTIONS['RETRY_BASE_MS'].")
         )
     return BackendOptions(**values, problems=tuple(problems))
@@ -195,10 +221,11 @@ def parse(raw: Any) -> BackendOptions:
 def redis_url_problem(url: object) -> str:
     """Say what is wrong with a REDIS_URL value, or return "" when it is usable.
 
-    The URL is parsed here, port included, so that a malformed one is an E002
-    from ``parse()`` rather than a ValueError from ``urlsplit`` (at backend
-    build time) or from redis-py (in the reachability check). Messages show
-    the URL with its password masked: check output ends up in CI logs.
+    The URL is parsed here, port included, so that a malformed one is a
+    BAD_REDIS_URL problem (E002) from ``parse()`` rather than a ValueError from
+    ``urlsplit`` (at backend build time) or from redis-py (in the reachability
+    check). Messages show the URL with its password masked: check output ends
+    up in CI logs.
     """
     if not isinstance(url, str):
         return (f"OPTIONS['REDIS_URL'] must be a redis://, rediss://, unix:// or "

@@ -35,7 +35,6 @@ from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from django.core import checks
 from django.http import HttpRequest, HttpResponse
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET
@@ -285,35 +284,15 @@ def serve(port: int, worker: Worker, *, addr: str = "0.0.0.0") -> Any:
     return server
 
 
-# -- the system check ----------------------------------------------------------------
+# -- for the system check (W020, in checks.py) ---------------------------------------
 
 
-def _mounted(patterns: list[Any]) -> bool:
+def mounted(patterns: list[Any]) -> bool:
     """Whether the URL patterns (nested includes too) route to :func:`view`."""
     for pattern in patterns:
         if getattr(pattern, "callback", None) is view:
             return True
         with contextlib.suppress(Exception):
-            if _mounted(list(getattr(pattern, "url_patterns", []))):
+            if mounted(list(getattr(pattern, "url_patterns", []))):
                 return True
     return False
-
-
-@checks.register(checks.Tags.urls)
-def check_metrics_view(**kwargs: Any) -> list[checks.CheckMessage]:
-    """W020: the metrics view is mounted but prometheus_client is not installed."""
-    if available():
-        return []
-    from django.urls import get_resolver
-
-    try:
-        mounted = _mounted(list(get_resolver().url_patterns))
-    except Exception:  # a broken URLconf is Django's own check to report
-        return []
-    if not mounted:
-        return []
-    return [checks.Warning(
-        "The reliable_jobs metrics view is mounted, but " + MISSING,
-        hint="Install the extra, or remove the view from your URLconf.",
-        id="reliable_jobs.W020",
-    )]

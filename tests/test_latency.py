@@ -24,7 +24,7 @@ from django.utils import timezone
 
 from reliable_jobs import dashboard
 from reliable_jobs.broker import Broker
-from reliable_jobs.checks import check_log_format
+from reliable_jobs.checks import check_log_format, with_ids
 from reliable_jobs.keys import QueueKeys
 from reliable_jobs.logformat import JsonLinesFormatter
 from testproject.demo import tasks as demo
@@ -264,7 +264,7 @@ def test_a_bad_latency_warning_is_e003(rj_settings: Callable[..., dict[str, str]
     rj_settings(LATENCY_WARNING_MS=value)
 
     # Then the backend's check says so
-    problems = configured_backend().config.problems
+    problems = with_ids(configured_backend().config.problems)
     assert ("reliable_jobs.E003", f"OPTIONS['LATENCY_WARNING_MS'] must be a whole number >= 1, "
             f"not {value!r}.") in problems
 

@@ -17,6 +17,7 @@ import redis
 from reliable_jobs import conf
 from reliable_jobs.backend import ReliableJobsBackend
 from reliable_jobs.broker import Broker, NewJob
+from reliable_jobs.checks import with_ids
 from tests.helpers import REDIS_URL
 
 Q = "work"
@@ -456,7 +457,7 @@ def test_a_bad_fair_share_is_reported_by_the_checks(value: object) -> None:
 
     # Then the system check reports it, and the default (10) is used meanwhile
     assert ("reliable_jobs.E003", f"OPTIONS['FAIR_SHARE'] must be a whole number >= 0, "
-            f"not {value!r}.") in options.problems
+            f"not {value!r}.") in with_ids(options.problems)
     assert options.FAIR_SHARE == 10
 
 
