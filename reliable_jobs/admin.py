@@ -328,7 +328,7 @@ class JobAdmin(ReadOnlyMixin, admin.ModelAdmin):  # type: ignore[type-arg]  # as
                   f"%(n)s jobs now have priority {priority}.")
 
     def _act(self, request: HttpRequest, queryset: QuerySet[Job],
-             operation: Callable[[Any, Any], staff.Outcome], summary: Any) -> None:
+             operation: Callable[[Any, Any], staff.StaffResult], summary: Any) -> None:
         """Run ``operation`` on each selected job; one message for the done, one per refusal.
 
         ``summary`` says what happened to ``%(n)s`` jobs when more than one was
@@ -359,14 +359,14 @@ class JobAdmin(ReadOnlyMixin, admin.ModelAdmin):  # type: ignore[type-arg]  # as
                               "the action again.", messages.WARNING)
 
     @staticmethod
-    def _act_on(job: Job, operation: Callable[[Any, Any], staff.Outcome]) -> staff.Outcome:
+    def _act_on(job: Job, operation: Callable[[Any, Any], staff.StaffResult]) -> staff.StaffResult:
         if job.backend not in changelist.reliable_backends():
-            return staff.Outcome(str(job.pk), False, f"Job {job.pk} belongs to backend "
+            return staff.StaffResult(str(job.pk), False, f"Job {job.pk} belongs to backend "
                                  f"{job.backend!r}, which is not configured: it was not changed.")
         try:
             return operation(changelist.reliable_backend(job.backend), job.pk)
         except REDIS_ERRORS as exc:
-            return staff.Outcome(str(job.pk), False, f"Redis did not answer ({exc}): job "
+            return staff.StaffResult(str(job.pk), False, f"Redis did not answer ({exc}): job "
                                  f"{job.pk} was not changed.")
 
     # -- the dashboard -----------------------------------------------------

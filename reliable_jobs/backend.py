@@ -48,7 +48,7 @@ from .reachability import ensure_reachable
 from .tasks import ReliableTask, lookup
 
 if TYPE_CHECKING:
-    from .staff import Outcome
+    from .staff import StaffResult
 
 logger = logging.getLogger("reliable_jobs")
 
@@ -354,10 +354,10 @@ class ReliableJobsBackend(BaseTaskBackend):
 
     # -- cancel ------------------------------------------------------------
 
-    def cancel(self, result_id: str) -> Outcome:
+    def cancel(self, result_id: str) -> StaffResult:
         """Cancel an unfinished job, whatever its state: see ``staff.cancel``.
 
-        Returns a ``staff.Outcome``: ``done`` says whether it was cancelled
+        Returns a ``staff.StaffResult``: ``done`` says whether it was cancelled
         (False when it had already finished, or Redis does not hold it yet),
         ``message`` why, as a sentence. Raises ``TaskResultDoesNotExist``
         for an id this backend never enqueued.

@@ -4,7 +4,7 @@ Each action runs in one database transaction that first locks the job's row,
 then acts in Redis through the broker (an atomic script), then mirrors what
 Redis did onto the row. Redis decides whether the action applies (the row
 may lag behind it by a batch), and an action that cannot apply changes
-nothing and says why: the returned :class:`Outcome` is a whole sentence an
+nothing and says why: the returned :class:`StaffResult` is a whole sentence an
 admin message can show as it is.
 
 The row lock orders the action before any worker write about the attempt it
@@ -38,7 +38,7 @@ REBUILD_MAX_BYTES = 10 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
-class Outcome:
+class StaffResult:
     """What an action did to one job, or why it did nothing."""
 
     job_id: str
@@ -46,7 +46,7 @@ class Outcome:
     message: str
 
 
-def retry(backend: ReliableJobsBackend, job_id: Any) -> Outcome:
+def retry(backend: ReliableJobsBackend, job_id: Any) -> StaffResult:
     """Queue a dead job again with a fresh attempt budget, keeping its history.
 
     Attempt numbers keep counting (they are fencing tokens): the budget
@@ -61,7 +61,8 @@ def retry(backend: ReliableJobsBackend, job_id: Any) -> Outcome:
             return _gone(job_id)
         jid = str(job.pk)
         if job.state != JobState.DEAD:
-            return Outcome(jid, False, f"Job {jid} is {job.state}, not dead: it was not retried.")
+            return StaffResult(jid, False,
+                               f"Job {jid} is {job.state}, not dead: it was not retried.")
         extra = fresh_budget(backend, job)
         held = backend.broker.held_states(job.physical_queue, [jid]).get(jid)
         if held is None:
@@ -75,15 +76,15 @@ def retry(backend: ReliableJobsBackend, job_id: Any) -> Outcome:
             if not backend.broker.revive(job.physical_queue, jid, extra_attempts=extra):
                 return _redis_moved(jid, "retried")
         else:
-            return Outcome(jid, False, f"Job {jid} is dead in the database but "
+            return StaffResult(jid, False, f"Job {jid} is dead in the database but "
                            f"{held['state']} in Redis, which is ahead: it was not retried.")
         mirror.mark_queued_again(database, job, max_attempts=attempts + extra)
-    return Outcome(jid, True, f"Job {jid} is queued again with {extra} more "
+    return StaffResult(jid, True, f"Job {jid} is queued again with {extra} more "
                    f"attempt{'s' if extra != 1 else ''} (attempts {attempts + 1} to "
                    f"{attempts + extra}).")
 
 
-def cancel(backend: ReliableJobsBackend, job_id: Any) -> Outcome:
+def cancel(backend: ReliableJobsBackend, job_id: Any) -> StaffResult:
     """Cancel an unfinished job: a waiting one never runs, a running one is stopped.
 
     Redis decides (``cancel.lua``): a queued or scheduled job is taken off
@@ -106,24 +107,24 @@ def cancel(backend: ReliableJobsBackend, job_id: Any) -> Outcome:
             return _gone(job_id)
         jid = str(job.pk)
         if job.state in mirror.FINISHED_STATES:
-            return Outcome(jid, False, f"Job {jid} has finished ({job.state}): there is "
+            return StaffResult(jid, False, f"Job {jid} has finished ({job.state}): there is "
                            "nothing to cancel.")
         cancelled, found = backend.broker.cancel(job.physical_queue, jid)
         if not cancelled:
             if not found:
-                return Outcome(jid, False, f"Job {jid} is not in Redis yet (its push is on "
+                return StaffResult(jid, False, f"Job {jid} is not in Redis yet (its push is on "
                                "the way, or the recovery sweep is rebuilding it): it was not "
                                "cancelled; try again in a minute.")
-            return Outcome(jid, False, f"Job {jid} is {found} in Redis: it was not cancelled.")
+            return StaffResult(jid, False, f"Job {jid} is {found} in Redis: it was not cancelled.")
         mirror.mark_cancelled(database, jid)
     if found == JobState.RUNNING:
-        return Outcome(jid, True, f"Job {jid} was cancelled while running: its worker stops it "
+        return StaffResult(jid, True, f"Job {jid} was cancelled while running: its worker stops it "
                        "and it will not run again.")
-    return Outcome(jid, True, f"Job {jid} was cancelled ({found}, taken off Redis): it will "
+    return StaffResult(jid, True, f"Job {jid} was cancelled ({found}, taken off Redis): it will "
                    "not run.")
 
 
-def requeue(backend: ReliableJobsBackend, job_id: Any) -> Outcome:
+def requeue(backend: ReliableJobsBackend, job_id: Any) -> StaffResult:
     """Run a job now: a scheduled job stops waiting, a cancelled one is queued again.
 
     A cancelled job gets back the attempts it had left (a fresh budget if it
@@ -144,24 +145,24 @@ def requeue(backend: ReliableJobsBackend, job_id: Any) -> Outcome:
             if not backend.broker.enqueue(job.physical_queue, [_rebuilt(job, max_attempts=budget)]):
                 return _redis_moved(jid, "requeued")
             mirror.mark_queued_again(database, job, max_attempts=budget, clear_run_after=future)
-            return Outcome(jid, True, f"Job {jid} was cancelled and is queued again "
+            return StaffResult(jid, True, f"Job {jid} was cancelled and is queued again "
                            f"({budget - job.attempts} attempts left).")
         if job.state == JobState.DEAD:
-            return Outcome(jid, False, f"Job {jid} is dead: use the retry action, which "
+            return StaffResult(jid, False, f"Job {jid} is dead: use the retry action, which "
                            "gives it a fresh attempt budget.")
         if job.state == JobState.SUCCEEDED:
-            return Outcome(jid, False, f"Job {jid} succeeded: it was not requeued.")
+            return StaffResult(jid, False, f"Job {jid} succeeded: it was not requeued.")
         moved, found = backend.broker.requeue(job.physical_queue, jid)
         if not moved:
             shown = found or "not in Redis yet"
-            return Outcome(jid, False, f"Job {jid} is {shown}, not scheduled: only a waiting "
+            return StaffResult(jid, False, f"Job {jid} is {shown}, not scheduled: only a waiting "
                            "job can be run now; it was not requeued.")
         mirror.mark_queued_again(database, job, max_attempts=job.max_attempts,
                                  clear_run_after=future)
-    return Outcome(jid, True, f"Job {jid} was scheduled and is queued now.")
+    return StaffResult(jid, True, f"Job {jid} was scheduled and is queued now.")
 
 
-def reprioritize(backend: ReliableJobsBackend, job_id: Any, priority: int) -> Outcome:
+def reprioritize(backend: ReliableJobsBackend, job_id: Any, priority: int) -> StaffResult:
     """Give a job that waits (queued or scheduled) another priority.
 
     Redis decides (``reprioritize.lua``): a queued job moves to its new
@@ -171,7 +172,7 @@ def reprioritize(backend: ReliableJobsBackend, job_id: Any, priority: int) -> Ou
     """
     if (isinstance(priority, bool) or not isinstance(priority, int)
             or not MIN_PRIORITY <= priority <= MAX_PRIORITY):
-        return Outcome(str(job_id), False, f"Priority {priority!r} is not a whole number from "
+        return StaffResult(str(job_id), False, f"Priority {priority!r} is not a whole number from "
                        f"{MIN_PRIORITY} to {MAX_PRIORITY}: job {job_id} was not changed.")
     database = backend.config.DATABASE
     with transaction.atomic(using=database):
@@ -180,22 +181,22 @@ def reprioritize(backend: ReliableJobsBackend, job_id: Any, priority: int) -> Ou
             return _gone(job_id)
         jid = str(job.pk)
         if job.state not in (JobState.QUEUED, JobState.SCHEDULED):
-            return Outcome(jid, False, f"Job {jid} is {job.state}: only a queued or scheduled "
+            return StaffResult(jid, False, f"Job {jid} is {job.state}: only a queued or scheduled "
                            "job's priority can be changed; it was not changed.")
         changed, found, old = backend.broker.reprioritize(job.physical_queue, jid, priority)
         if not changed:
             if found in (JobState.QUEUED, JobState.SCHEDULED) and old == priority:
                 if job.priority != priority:
                     mirror.mark_priority(database, jid, priority)  # the row lagged behind
-                return Outcome(jid, False, f"Job {jid} already has priority {priority}.")
+                return StaffResult(jid, False, f"Job {jid} already has priority {priority}.")
             if not found:
-                return Outcome(jid, False, f"Job {jid} is not in Redis yet (its push is on "
+                return StaffResult(jid, False, f"Job {jid} is not in Redis yet (its push is on "
                                "the way, or the recovery sweep is rebuilding it): its priority "
                                "was not changed; try again in a minute.")
-            return Outcome(jid, False, f"Job {jid} is {found} in Redis: its priority was not "
+            return StaffResult(jid, False, f"Job {jid} is {found} in Redis: its priority was not "
                            "changed.")
         mirror.mark_priority(database, jid, priority)
-    return Outcome(jid, True, f"Job {jid} now has priority {priority} (it had {old}).")
+    return StaffResult(jid, True, f"Job {jid} now has priority {priority} (it had {old}).")
 
 
 def fresh_budget(backend: ReliableJobsBackend, job: Job) -> int:
@@ -214,10 +215,10 @@ def _rebuilt(job: Job, *, max_attempts: int) -> NewJob:
     return rebuilt_job(job, max_attempts=max_attempts, max_bytes=REBUILD_MAX_BYTES)
 
 
-def _gone(job_id: Any) -> Outcome:
-    return Outcome(str(job_id), False, f"Job {job_id} no longer exists (pruned?).")
+def _gone(job_id: Any) -> StaffResult:
+    return StaffResult(str(job_id), False, f"Job {job_id} no longer exists (pruned?).")
 
 
-def _redis_moved(jid: str, verb: str) -> Outcome:
-    return Outcome(jid, False, f"Job {jid} changed in Redis meanwhile: it was not {verb}; "
+def _redis_moved(jid: str, verb: str) -> StaffResult:
+    return StaffResult(jid, False, f"Job {jid} changed in Redis meanwhile: it was not {verb}; "
                    "reload and try again.")

@@ -45,7 +45,7 @@ from ..mirror import CANCELLED_ERROR, AttemptRecord, cancelled_record
 from ..models import AttemptOutcome, JobState
 from ..tasks import lookup
 from .backoff import Backoff, Outage
-from .finisher import Finisher, Outcome
+from .finisher import FinishedAttempt, Finisher
 from .pace import Pace
 from .registry import InHand, printable
 
@@ -150,7 +150,7 @@ class Executor:
                 # Cancelled between its claim and its start: never run, ack it
                 # (ack.lua finishes it as cancelled).
                 self.in_hand.done(job)
-                self.finisher.submit(Outcome(cancelled_record(
+                self.finisher.submit(FinishedAttempt(cancelled_record(
                     job.id, job.attempt, gen=job.gen,
                     error=f"{CANCELLED_ERROR} before it started"),
                     job=job, delay_ms=None))
@@ -227,7 +227,7 @@ class Executor:
                                  job_state=JobState.SUCCEEDED, worker_id=self.worker_id,
                                  started_at=started_at, finished_at=finished_at,
                                  outcome=AttemptOutcome.SUCCEEDED, return_value=value)
-            self.finisher.submit(Outcome(done, job=job, delay_ms=None, task=task_path))
+            self.finisher.submit(FinishedAttempt(done, job=job, delay_ms=None, task=task_path))
             telemetry.hook.finished(job, task_path, JobState.SUCCEEDED,
                                     time.perf_counter() - started_clock)
             # One line per success only from -v 2: at a few thousand jobs a
@@ -274,7 +274,7 @@ class Executor:
             object.__setattr__(result, "status", TaskResultStatus.FAILED)
             object.__setattr__(result, "finished_at", record.finished_at)
             task_finished.send(type(self.backend), task_result=result)
-        self.finisher.submit(Outcome(record, job=job, delay_ms=None))
+        self.finisher.submit(FinishedAttempt(record, job=job, delay_ms=None))
         took_ms = ((record.finished_at or timezone.now()) - started_at).total_seconds() * 1000
         log_attempt(logging.INFO, job, task_path, AttemptOutcome.CANCELLED, took_ms, error=how)
 
@@ -314,7 +314,7 @@ class Executor:
             object.__setattr__(result, "status", TaskResultStatus.FAILED)
             object.__setattr__(result, "finished_at", record.finished_at)
             task_finished.send(type(self.backend), task_result=result)
-        self.finisher.submit(Outcome(record, job=job, delay_ms=delay_ms, task=task_path))
+        self.finisher.submit(FinishedAttempt(record, job=job, delay_ms=delay_ms, task=task_path))
         telemetry.hook.finished(job, task_path, state, time.perf_counter() - started_clock, exc)
         log_attempt(logging.WARNING if state == JobState.DEAD else logging.INFO, job, task_path,
                     record.outcome, (time.perf_counter() - started_clock) * 1000,

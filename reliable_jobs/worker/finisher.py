@@ -31,12 +31,12 @@ from .registry import InHand, printable
 
 logger = logging.getLogger("reliable_jobs.worker")
 
-#: Outcomes written to the mirror per transaction at most.
+#: Finished attempts written to the mirror per transaction at most.
 FINISH_BATCH = 500
 
 
 @dataclass(slots=True)
-class Outcome:
+class FinishedAttempt:
     """A finished attempt on its way to the mirror and then to Redis.
 
     ``delay_ms`` is None for a success (ack), else the nack decision
@@ -75,7 +75,7 @@ class Finisher:
         self.db_outage = db_outage
         self.hard_stop = hard_stop
         self.slot_freed = slot_freed
-        self._queue: queue_module.SimpleQueue[Outcome | None] = queue_module.SimpleQueue()
+        self._queue: queue_module.SimpleQueue[FinishedAttempt | None] = queue_module.SimpleQueue()
         #: Outcomes handed over, outcomes applied, and a condition on the two.
         self._submitted = 0
         self._applied = 0
@@ -85,9 +85,9 @@ class Finisher:
 
     def record(self, record: AttemptRecord) -> None:
         """Mirror a record that needs no Redis action (a start, a sweep result)."""
-        self.submit(Outcome(record))
+        self.submit(FinishedAttempt(record))
 
-    def submit(self, outcome: Outcome) -> None:
+    def submit(self, outcome: FinishedAttempt) -> None:
         """Hand over a finished attempt (or a record, ``job`` None)."""
         with self._flushed:
             self._submitted += 1
@@ -116,7 +116,7 @@ class Finisher:
         closing = False
         while not closing:
             first = self._queue.get()
-            batch: list[Outcome] = []
+            batch: list[FinishedAttempt] = []
             if first is None:
                 closing = True
             else:
@@ -140,7 +140,7 @@ class Finisher:
                 self._applied += len(batch)
                 self._flushed.notify_all()
 
-    def _write_mirror(self, batch: list[Outcome]) -> bool:
+    def _write_mirror(self, batch: list[FinishedAttempt]) -> bool:
         """Write the batch, retrying until it lands (False only on a hard stop)."""
         backoff = Backoff()
         while True:
@@ -160,12 +160,12 @@ class Finisher:
             if backoff.wait(self.hard_stop):
                 return False
 
-    def _apply_in_redis(self, finished: list[Outcome]) -> bool:
+    def _apply_in_redis(self, finished: list[FinishedAttempt]) -> bool:
         """Ack or nack each finished attempt; False on a hard stop before Redis answered."""
         if not finished:
             return True
         crash_point("before_ack")
-        by_queue: dict[str, list[Outcome]] = defaultdict(list)
+        by_queue: dict[str, list[FinishedAttempt]] = defaultdict(list)
         for outcome in finished:
             assert outcome.job is not None
             by_queue[outcome.job.queue].append(outcome)
@@ -179,7 +179,8 @@ class Finisher:
         self.slot_freed.set()
         return True
 
-    def _apply_queue(self, queue: str, acks: list[Outcome], nacks: list[Outcome]) -> bool:
+    def _apply_queue(self, queue: str, acks: list[FinishedAttempt],
+                     nacks: list[FinishedAttempt]) -> bool:
         """Ack and nack one queue's outcomes; False on a hard stop before Redis answered.
 
         Retried whole after an error: both scripts are fenced, so an outcome
@@ -204,7 +205,8 @@ class Finisher:
         self._count(acks + nacks, acked + nacked, retried=retried)
         return True
 
-    def _count(self, outcomes: list[Outcome], applied: list[Applied], *, retried: bool) -> None:
+    def _count(self, outcomes: list[FinishedAttempt], applied: list[Applied], *,
+               retried: bool) -> None:
         for outcome, ok in zip(outcomes, applied, strict=True):
             if ok == Applied.CANCELLED:
                 self.stats.cancelled += 1
@@ -222,11 +224,11 @@ class Finisher:
                 self.stats.failed += 1
 
 
-def _fence(outcome: Outcome) -> tuple[str, int, int]:
+def _fence(outcome: FinishedAttempt) -> tuple[str, int, int]:
     assert outcome.job is not None
     return outcome.job.fence
 
 
-def _delay(outcome: Outcome) -> int:
+def _delay(outcome: FinishedAttempt) -> int:
     assert outcome.delay_ms is not None
     return outcome.delay_ms
