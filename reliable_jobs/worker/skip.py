@@ -46,7 +46,15 @@ class QueueSkipper:
 
     def round(self, queues: Sequence[str],
               woken: Callable[[list[str]], list[str]]) -> list[str]:
-        """The queues to try now, in turn; ``woken`` takes markers of skipped ones."""
+        """The queues to try now, in turn; ``woken`` takes markers of skipped ones.
+
+        One queue is never skipped: skipping it would only trade its claim
+        call for the ``BLMOVE`` of an idle wait, with work on the queue (see
+        ``Broker.wait``), which is the path for an idle worker only.
+        """
+        if len(queues) == 1:
+            self.last_full = True
+            return list(queues)
         if self._empty:
             now = self._clock()
             if now >= self._full_at:
