@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
+import redis
 
 from reliable_jobs import payload
+from reliable_jobs.compat import task_backends
 from reliable_jobs.exceptions import MalformedPayload
+from reliable_jobs.keys import QueueKeys
 from reliable_jobs.worker.executor import MARK_AHEAD, MARK_AHEAD_MAX, mark_group
 from reliable_jobs.worker.skip import QueueSkipper
 
@@ -77,3 +82,24 @@ def test_the_shared_decoder_reads_a_payload_as_before() -> None:
     text = payload.encode("a.b", (1, 2.5, "x"), {"k": [None, {"n": True}]}, max_bytes=1 << 20)
     assert payload.decode(text) == payload.Payload("a.b", [1, 2.5, "x"],
                                                    {"k": [None, {"n": True}]})
+
+
+@pytest.mark.parametrize("lmpop", [True, False])
+def test_woken_takes_the_markers_of_the_queues_that_have_one(
+    lmpop: bool, rj_settings: Any, redis_client: redis.Redis
+) -> None:
+    # Given: three queues, a marker waiting on two of them (as enqueue leaves it)
+    rj_settings(queues=["default", "q1", "q2"])
+    broker = task_backends["default"].broker
+    broker._no_lmpop = not lmpop  # the pipeline of LPOPs Redis < 7 gets
+    for queue in ("default", "q2"):
+        redis_client.rpush(QueueKeys("rj", queue).wake, "1")
+
+    # When: a busy worker asks without blocking, twice
+    first = broker.woken(["default", "q1", "q2"])
+    second = broker.woken(["default", "q1", "q2"])
+
+    # Then: it names those two once, and took their markers
+    assert sorted(first) == ["default", "q2"]
+    assert second == []
+    assert not redis_client.exists(*(QueueKeys("rj", q).wake for q in ("default", "q1", "q2")))
