@@ -33,6 +33,7 @@ is retried by the caller, never dropped, and the Redis ack waits for it.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -749,11 +750,14 @@ def lock_for_recovery(using: str, job_ids: Sequence[str]) -> dict[str, RowState]
     return {**dict.fromkeys(existing - set(locked), LOCKED_ELSEWHERE), **locked}
 
 
+#: A UUID as enqueue writes it (``str(uuid.UUID(...))``: lower-case, hyphenated).
+_CANONICAL_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
 def _is_uuid(text: str) -> bool:
-    try:
-        return str(uuid.UUID(text)) == text
-    except (TypeError, ValueError, AttributeError):
-        return False
+    """Whether ``text`` is a UUID in canonical form (the same test as
+    ``str(uuid.UUID(text)) == text``, without building a UUID per record)."""
+    return isinstance(text, str) and _CANONICAL_UUID.fullmatch(text) is not None
 
 
 def lock_unfinished(using: str, job_ids: Sequence[Any], *, older_than: datetime) -> list[Job]:
