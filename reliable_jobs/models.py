@@ -58,9 +58,6 @@ class JobQuerySet(models.QuerySet["Job"]):
     def unfinished(self) -> JobQuerySet:
         return self.filter(state__in=UNFINISHED_STATES)
 
-    def dead(self) -> JobQuerySet:
-        return self.filter(state=JobState.DEAD)
-
 
 class Job(models.Model):
     id = models.UUIDField(_("id"), primary_key=True, default=uuid.uuid4, editable=False)
