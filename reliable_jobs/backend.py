@@ -47,6 +47,7 @@ from .compat import (
 )
 from .keys import is_valid_queue_name, shard_queue
 from .reachability import ensure_reachable
+from .results import task_result
 from .tasks import ReliableTask, lookup
 
 if TYPE_CHECKING:
@@ -213,10 +214,8 @@ class ReliableJobsBackend(BaseTaskBackend):
             rows.append((job_id, shard, args_json, kwargs_json))
             by_shard[shard_queue(task.queue_name, shard)].append(
                 NewJob(job_id, text, max_attempts, due_ms, priority=task.priority))
-            results.append(TaskResult(
-                task=task, id=job_id, status=status, enqueued_at=now, started_at=None,
-                finished_at=None, last_attempted_at=None, args=args, kwargs=kwargs,
-                backend=self.alias, errors=[], worker_ids=[]))
+            results.append(task_result(task, job_id=job_id, status=status, args=args,
+                                       kwargs=kwargs, backend=self.alias, enqueued_at=now))
         new = mirror.NewJobs(
             backend=self.alias, queue=task.queue_name, task_path=task.module_path,
             priority=task.priority, state=state, max_attempts=max_attempts,
@@ -333,9 +332,9 @@ class ReliableJobsBackend(BaseTaskBackend):
         attempts = attempts or []
         if job.queue != task.queue_name or job.run_after != task.run_after:
             task = _as_enqueued(task, queue_name=job.queue, run_after=job.run_after)
-        result: TaskResult[..., Any] = TaskResult(
-            task=task,
-            id=str(job.pk),
+        result = task_result(
+            task,
+            job_id=str(job.pk),
             status=job.task_status,
             enqueued_at=job.enqueued_at,
             started_at=job.started_at,
