@@ -43,6 +43,7 @@ from ..keys import logical_queue
 from ..logformat import log_attempt
 from ..mirror import CANCELLED_ERROR, AttemptRecord, cancelled_record
 from ..models import AttemptOutcome, JobState
+from ..results import task_result
 from ..tasks import lookup
 from .backoff import Backoff, Outage
 from .finisher import FinishedAttempt, Finisher
@@ -268,11 +269,10 @@ class Executor:
         queue = logical_queue(job.queue)  # the shard's queue, as enqueued
         if task.queue_name != queue:
             task = task.using(queue_name=queue)
-        return TaskResult(
-            task=task, id=job.id, status=TaskResultStatus.RUNNING, enqueued_at=None,
-            started_at=started_at, finished_at=None, last_attempted_at=started_at,
-            args=decoded.args, kwargs=decoded.kwargs, backend=self.backend.alias,
-            errors=[], worker_ids=[self.worker_id] * job.attempt,
+        return task_result(
+            task, job_id=job.id, status=TaskResultStatus.RUNNING, started_at=started_at,
+            last_attempted_at=started_at, args=decoded.args, kwargs=decoded.kwargs,
+            backend=self.backend.alias, worker_ids=[self.worker_id] * job.attempt,
         )
 
     def _cancelled(self, job: ClaimedJob, exc: BaseException | None, task_path: str,
