@@ -88,6 +88,8 @@ local band_prefix = KEYS[9]
 local share_key = KEYS[10]
 local strays_key = KEYS[11]
 
+--- @include "wake_marker"
+
 -- A whole number from ARGV, or an error reply before anything is written.
 local function whole(value, name)
   local n = tonumber(value)
@@ -98,15 +100,7 @@ local function whole(value, name)
   return n
 end
 
--- A counter read from a job hash, clamped to the mirror's integer range.
-local MAX_COUNT = 2147483647
-local function count_of(value, lowest)
-  local n = tonumber(value)
-  if n == nil or n ~= n then
-    return lowest
-  end
-  return math.max(lowest, math.min(MAX_COUNT, math.floor(n)))
-end
+--- @include "count_of"
 
 local KNOWN_STATES = {
   queued = true, running = true, scheduled = true, dead = true, finished = true, cancelled = true
@@ -142,9 +136,10 @@ local function consume_stray(job_id)
   return true
 end
 
-local clock = redis.call('TIME')
-local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-local deadline_ms = now_ms + lease_ms
+--- @include "server_clock"
+
+local now = now_ms()
+local deadline_ms = now + lease_ms
 
 local ids = {}
 -- The band each id was taken from (by index in ids; absent: 0).
@@ -270,7 +265,7 @@ for index, job_id in ipairs(ids) do
     -- reconcile pushes it again once its hash is gone.
     redis.call('LREM', processing_key, 1, job_id)
     redis.call('DEL', job_key)
-    redis.call('ZADD', dead_key, now_ms, job_id)
+    redis.call('ZADD', dead_key, now, job_id)
     garbage[#garbage + 1] = job_id
   elseif job[1] == 'cancelled' then
     redis.call('LREM', processing_key, 1, job_id)
@@ -288,8 +283,8 @@ for index, job_id in ipairs(ids) do
     local max_attempts = count_of(job[3], 1)
     if attempts >= max_attempts then
       redis.call('LREM', processing_key, 1, job_id)
-      redis.call('ZADD', dead_key, now_ms, job_id)
-      redis.call('HSET', job_key, 'state', 'dead', 'finished_ms', now_ms, 'last_error',
+      redis.call('ZADD', dead_key, now, job_id)
+      redis.call('HSET', job_key, 'state', 'dead', 'finished_ms', now, 'last_error',
         'reliable_jobs.exceptions.AttemptsExhausted: claimed ' .. attempts .. ' of ' .. max_attempts ..
         ' times without finishing (worker lost or lease expired)')
       dead[#dead + 1] = job_id
@@ -298,7 +293,7 @@ for index, job_id in ipairs(ids) do
     else
       attempts = attempts + 1
       redis.call('HSET', job_key, 'state', 'running', 'attempts', attempts, 'gen', gen,
-        'started_ms', now_ms)
+        'started_ms', now)
       lease_args[#lease_args + 1] = deadline_ms
       lease_args[#lease_args + 1] = job_id
       jobs[#jobs + 1] = job_id
@@ -307,7 +302,7 @@ for index, job_id in ipairs(ids) do
       jobs[#jobs + 1] = job[4] or ''
       jobs[#jobs + 1] = gen
       local ready_ms = tonumber(job[6]) or tonumber(job[7])
-      jobs[#jobs + 1] = ready_ms and math.max(0, now_ms - ready_ms) or -1
+      jobs[#jobs + 1] = ready_ms and math.max(0, now - ready_ms) or -1
     end
   end
 end
@@ -328,7 +323,7 @@ elseif banded > 0 then
     remaining = remaining + redis.call('LLEN', band_prefix .. member)
   end
 end
-if remaining > 0 and redis.call('LLEN', wake_key) == 0 then
-  redis.call('RPUSH', wake_key, '1')
+if remaining > 0 then
+  push_wake_marker(wake_key)
 end
 return { jobs, dead, garbage, remaining, banded }

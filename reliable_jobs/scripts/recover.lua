@@ -97,6 +97,9 @@ local bands_key = KEYS[9]
 local band_prefix = KEYS[10]
 local strays_key = KEYS[11]
 
+--- @include "wake_marker"
+--- @include "fence"
+
 -- A job's priority as its hash holds it: a whole number from -100 to 100,
 -- 0 when absent (enqueue.lua writes it only when it is not 0) or damaged.
 local function band_of(value)
@@ -146,15 +149,7 @@ local function whole(value, name)
   return n
 end
 
--- A counter read from a job hash, clamped to the mirror's integer range.
-local MAX_COUNT = 2147483647
-local function count_of(value, lowest)
-  local n = tonumber(value)
-  if n == nil or n ~= n then
-    return lowest
-  end
-  return math.max(lowest, math.min(MAX_COUNT, math.floor(n)))
-end
+--- @include "count_of"
 
 local KNOWN_STATES = {
   queued = true, running = true, scheduled = true, dead = true, finished = true, cancelled = true
@@ -172,8 +167,9 @@ if (started_mode ~= 'all' and started_mode ~= 'listed') or #ARGV < listed_from -
     .. 'error), then triples (id, attempt, gen), after started = all or listed' })
 end
 
-local clock = redis.call('TIME')
-local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+--- @include "server_clock"
+
+local now = now_ms()
 
 -- The started attempts this call may requeue or bury: id -> 'attempt:gen'.
 local allowed = {}
@@ -198,8 +194,8 @@ for i = 6, listed_from - 1, 5 do
   local job = redis.call('HMGET', job_key, 'state', 'attempts', 'gen', 'max_attempts')
   local gen = job[3] or '0'
   local deadline = tonumber(redis.call('ZSCORE', leases_key, job_id))
-  if job[1] == 'running' and job[2] == ARGV[i + 1] and gen == ARGV[i + 2]
-      and deadline and deadline <= now_ms
+  if holds(job, ARGV[i + 1], ARGV[i + 2])
+      and deadline and deadline <= now
       and (final == 'succeeded' or final == 'dead' or final == 'cancelled') then
     redis.call('ZREM', leases_key, job_id)
     redis.call('LREM', processing_key, -1, job_id)
@@ -208,8 +204,8 @@ for i = 6, listed_from - 1, 5 do
       redis.call('HSET', job_key, 'state', 'cancelled', 'gen', gen)
       redis.call('PEXPIRE', job_key, tombstone_ms)
     elseif final == 'dead' then
-      redis.call('ZADD', dead_key, now_ms, job_id)
-      redis.call('HSET', job_key, 'state', 'dead', 'finished_ms', now_ms,
+      redis.call('ZADD', dead_key, now, job_id)
+      redis.call('HSET', job_key, 'state', 'dead', 'finished_ms', now,
         'last_error', ARGV[i + 4])
     elseif gen == '0' then
       redis.call('DEL', job_key)
@@ -233,7 +229,7 @@ local function held_back(job_id)
   return allowed[job_id] ~= job[2] .. ':' .. (job[4] or '0')
 end
 
-local expired = redis.call('ZRANGEBYSCORE', leases_key, '-inf', now_ms, 'LIMIT', 0, limit)
+local expired = redis.call('ZRANGEBYSCORE', leases_key, '-inf', now, 'LIMIT', 0, limit)
 for _, job_id in ipairs(expired) do
   if not held_back(job_id) then
     redis.call('ZREM', leases_key, job_id)
@@ -252,7 +248,7 @@ for _, job_id in ipairs(expired) do
       elseif not KNOWN_STATES[job[1]] then
         kind = 'garbage'
         redis.call('DEL', job_key)
-        redis.call('ZADD', dead_key, now_ms, job_id)
+        redis.call('ZADD', dead_key, now, job_id)
       elseif job[1] == 'running' and job[6] then
         kind = 'cancelled'
         redis.call('DEL', job_key)
@@ -266,8 +262,8 @@ for _, job_id in ipairs(expired) do
         requeued = requeued + 1
       elseif job[1] == 'running' and attempts >= max_attempts then
         kind = 'dead'
-        redis.call('ZADD', dead_key, now_ms, job_id)
-        redis.call('HSET', job_key, 'state', 'dead', 'finished_ms', now_ms, 'last_error',
+        redis.call('ZADD', dead_key, now, job_id)
+        redis.call('HSET', job_key, 'state', 'dead', 'finished_ms', now, 'last_error',
           'reliable_jobs.exceptions.LeaseExpired: the lease of attempt ' .. attempts
           .. ' of ' .. max_attempts .. ' expired (worker lost or stalled) and no attempt is left')
       elseif job[1] == 'running' or job[1] == 'queued' then
@@ -289,7 +285,7 @@ end
 local stamped = 0
 if limit > 0 then
   for _, job_id in ipairs(redis.call('LRANGE', landing_key, 0, limit - 1)) do
-    stamped = stamped + redis.call('ZADD', leases_key, 'NX', now_ms + lease_ms, job_id)
+    stamped = stamped + redis.call('ZADD', leases_key, 'NX', now + lease_ms, job_id)
   end
   -- Every id on processing has a lease (claim.lua stamps it in the same
   -- step), unless someone wrote there by hand or a script failed half-way.
@@ -298,7 +294,7 @@ if limit > 0 then
   local cursor = tonumber(redis.call('GET', scan_key)) or 0
   local slice = redis.call('LRANGE', processing_key, cursor, cursor + SCAN_SLICE - 1)
   for _, job_id in ipairs(slice) do
-    stamped = stamped + redis.call('ZADD', leases_key, 'NX', now_ms + lease_ms, job_id)
+    stamped = stamped + redis.call('ZADD', leases_key, 'NX', now + lease_ms, job_id)
   end
   if #slice < SCAN_SLICE then
     cursor = 0
@@ -308,7 +304,7 @@ if limit > 0 then
   redis.call('SET', scan_key, cursor)
 end
 
-if requeued > 0 and redis.call('LLEN', wake_key) == 0 then
-  redis.call('RPUSH', wake_key, '1')
+if requeued > 0 then
+  push_wake_marker(wake_key)
 end
 return { outcomes, stamped }

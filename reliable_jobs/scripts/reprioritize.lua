@@ -32,6 +32,8 @@ local bands_key = KEYS[4]
 local band_prefix = KEYS[5]
 local strays_key = KEYS[6]
 
+--- @include "wake_marker"
+
 local priority = tonumber(ARGV[2])
 if priority == nil or priority ~= math.floor(priority) or priority < -100 or priority > 100 then
   return redis.error_reply('ERR reprioritize: priority must be a whole number from -100 to 100, not '
@@ -69,8 +71,6 @@ if state == 'queued' then
     redis.call('ZADD', bands_key, priority, priority)
   end
   redis.call('ZINCRBY', strays_key, 1, job_id)
-  if redis.call('LLEN', wake_key) == 0 then
-    redis.call('RPUSH', wake_key, '1')
-  end
+  push_wake_marker(wake_key)
 end
 return { 1, state, old }

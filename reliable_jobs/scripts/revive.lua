@@ -26,6 +26,8 @@ local job_prefix = KEYS[4]
 local bands_key = KEYS[5]
 local band_prefix = KEYS[6]
 
+--- @include "wake_marker"
+
 -- A job's priority as its hash holds it: a whole number from -100 to 100,
 -- 0 when absent (enqueue.lua writes it only when it is not 0) or damaged.
 local function band_of(value)
@@ -71,7 +73,5 @@ redis.call('HSET', job_key, 'state', 'queued', 'max_attempts', math.min(attempts
   'ready_ms', now_ms())
 redis.call('HDEL', job_key, 'finished_ms')
 push_band(job_id, band_of(redis.call('HGET', job_key, 'priority')))
-if redis.call('LLEN', wake_key) == 0 then
-  redis.call('RPUSH', wake_key, '1')
-end
+push_wake_marker(wake_key)
 return 1
