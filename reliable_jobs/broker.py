@@ -24,6 +24,7 @@ from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
 from . import scripts
+from .exceptions import AttemptsExhausted, LeaseExpired, class_path
 from .keys import (
     QueueKeys,
     logical_queue,
@@ -59,6 +60,10 @@ REGISTER_EVERY_S = 10.0
 #: How long a finished rebuilt job (generation > 0) keeps a tombstone, in ms:
 #: a push of it from before the rebuild that arrives meanwhile is refused.
 TOMBSTONE_MS = 3_600_000
+#: The class paths claim.lua and recover.lua write before the error of a job
+#: they bury, built from the classes so they always import (TaskError reads them).
+EXHAUSTED_CLASS = class_path(AttemptsExhausted)
+EXPIRED_CLASS = class_path(LeaseExpired)
 
 #: A fencing token with the id it guards: (id, attempt, gen). The attempt
 #: counts claims; the generation counts rebuilds from the mirror, so a token
@@ -378,7 +383,8 @@ class Broker:
             "claim",
             (k.queued, k.processing, k.leases, k.dead, k.wake, k.job_prefix, k.landing,
              k.bands, k.band_prefix, k.share, k.strays),
-            (max(count, 1 if moved_id else 0), lease_ms, moved_id or "", self.fair_share),
+            (max(count, 1 if moved_id else 0), lease_ms, moved_id or "", self.fair_share,
+             EXHAUSTED_CLASS),
         )
         if int(banded):
             self._banded.add(queue)
@@ -468,7 +474,7 @@ class Broker:
         """
         k = self.keys(queue)
         args: list[Any] = [limit, lease_ms, TOMBSTONE_MS, len(settle),
-                           "all" if allowed is None else "listed"]
+                           "all" if allowed is None else "listed", EXPIRED_CLASS]
         for s in settle:
             args += (s.id, s.attempt, s.gen, s.final, s.error[:4000])
         for fence in allowed or ():

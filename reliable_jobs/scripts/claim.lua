@@ -27,7 +27,10 @@
                     waited longest (the oldest enqueued_ms at the head of a
                     band, the lower priority on a tie) whatever its
                     priority, so no band starves
-                    (optional, 0 when absent)
+  ARGV[5] exhausted_class  the class path that opens the error of a job
+                    buried with no attempt left (the broker passes
+                    exceptions.class_path(AttemptsExhausted), so the path
+                    always names a class that exists)
 
   Priorities: queued holds the jobs of priority 0, each other priority p
   (-100..100) has its own list KEYS[9] .. p, listed in bands while it is not
@@ -73,8 +76,8 @@
     banded   how many non-zero bands were in use when the claim began (0:
              only priority 0 was waiting; a worker that never saw more
              waits on this queue alone with BLMOVE)
-  Errors: count, lease_ms or share_every not a whole number from 0 to 2^52
-  (nothing is written).
+  Errors: count, lease_ms or share_every not a whole number from 0 to 2^52,
+  or exhausted_class not a dotted path (nothing is written).
 ]]
 local queued_key = KEYS[1]
 local processing_key = KEYS[2]
@@ -109,7 +112,11 @@ local KNOWN_STATES = {
 local count = whole(ARGV[1], 'count')
 local lease_ms = whole(ARGV[2], 'lease_ms')
 local moved_id = ARGV[3] or ''
-local share_every = whole(ARGV[4] or 0, 'share_every')
+local share_every = whole(ARGV[4], 'share_every')
+local exhausted_class = ARGV[5]
+if type(exhausted_class) ~= 'string' or not string.match(exhausted_class, '^[%a_][%w_.]*$') then
+  return redis.error_reply('ERR claim: exhausted_class must be a dotted class path')
+end
 
 -- A job's priority as its hash holds it: a whole number from -100 to 100,
 -- 0 when absent (enqueue.lua writes it only when it is not 0) or damaged.
@@ -285,7 +292,7 @@ for index, job_id in ipairs(ids) do
       redis.call('LREM', processing_key, 1, job_id)
       redis.call('ZADD', dead_key, now, job_id)
       redis.call('HSET', job_key, 'state', 'dead', 'finished_ms', now, 'last_error',
-        'reliable_jobs.exceptions.AttemptsExhausted: claimed ' .. attempts .. ' of ' .. max_attempts ..
+        exhausted_class .. ': claimed ' .. attempts .. ' of ' .. max_attempts ..
         ' times without finishing (worker lost or lease expired)')
       dead[#dead + 1] = job_id
       dead[#dead + 1] = attempts

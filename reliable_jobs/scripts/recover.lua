@@ -19,7 +19,11 @@
   ARGV[4] settle_count  how many settle groups follow
   ARGV[5] started       'all': act on every expired started attempt;
                         'listed': only on those listed after the groups
-  ARGV[6..]             settle_count groups of five, the attempts to settle:
+  ARGV[6] expired_class the class path that opens the error of a job buried
+                        because its lease expired with no attempt left (the
+                        broker passes exceptions.class_path(LeaseExpired), so
+                        the path always names a class that exists)
+  ARGV[7..]             settle_count groups of five, the attempts to settle:
                         id, attempt, gen, final ('succeeded', 'dead' or
                         'cancelled'), error; then triples id, attempt, gen: the started
                         attempts the caller lets this call requeue or bury
@@ -82,8 +86,8 @@
               that lives elsewhere)
     stamped   how many orphans got a first lease
   Errors: limit, lease_ms, tombstone_ms or settle_count not a whole number
-  from 0 to 2^52, or the
-  settle groups not in fives (nothing is written).
+  from 0 to 2^52, expired_class not a dotted path, or the settle groups not
+  in fives (nothing is written).
 ]]
 local queued_key = KEYS[1]
 local processing_key = KEYS[2]
@@ -160,11 +164,16 @@ local lease_ms = whole(ARGV[2], 'lease_ms')
 local tombstone_ms = math.max(1, whole(ARGV[3], 'tombstone_ms'))
 local settle_count = whole(ARGV[4], 'settle_count')
 local started_mode = ARGV[5]
-local listed_from = 6 + 5 * settle_count
+local expired_class = ARGV[6]
+if type(expired_class) ~= 'string' or not string.match(expired_class, '^[%a_][%w_.]*$') then
+  error({ err = 'ERR recover: expired_class must be a dotted class path' })
+end
+local listed_from = 7 + 5 * settle_count
 if (started_mode ~= 'all' and started_mode ~= 'listed') or #ARGV < listed_from - 1
     or (#ARGV - listed_from + 1) % 3 ~= 0 then
   error({ err = 'ERR recover: expected settle_count groups of five (id, attempt, gen, final, '
-    .. 'error), then triples (id, attempt, gen), after started = all or listed' })
+    .. 'error), then triples (id, attempt, gen), after started = all or listed and the '
+    .. 'expired class' })
 end
 
 --- @include "server_clock"
@@ -188,7 +197,7 @@ local function report(job_id, attempts, max_attempts, kind, gen)
   outcomes[#outcomes + 1] = gen
 end
 
-for i = 6, listed_from - 1, 5 do
+for i = 7, listed_from - 1, 5 do
   local job_id, final = ARGV[i], ARGV[i + 3]
   local job_key = job_prefix .. job_id
   local job = redis.call('HMGET', job_key, 'state', 'attempts', 'gen', 'max_attempts')
@@ -264,7 +273,7 @@ for _, job_id in ipairs(expired) do
         kind = 'dead'
         redis.call('ZADD', dead_key, now, job_id)
         redis.call('HSET', job_key, 'state', 'dead', 'finished_ms', now, 'last_error',
-          'reliable_jobs.exceptions.LeaseExpired: the lease of attempt ' .. attempts
+          expired_class .. ': the lease of attempt ' .. attempts
           .. ' of ' .. max_attempts .. ' expired (worker lost or stalled) and no attempt is left')
       elseif job[1] == 'running' or job[1] == 'queued' then
         if job[1] == 'running' then kind = 'expired' else kind = 'orphan' end
