@@ -23,9 +23,9 @@ from redis.commands.core import Script
 from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
-from . import scripts
-from .exceptions import AttemptsExhausted, LeaseExpired, class_path
-from .keys import (
+from .. import scripts
+from ..exceptions import AttemptsExhausted, LeaseExpired, class_path
+from ..keys import (
     QueueKeys,
     logical_queue,
     shard_index,
