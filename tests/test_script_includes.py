@@ -91,7 +91,8 @@ def test_no_script_spells_a_shared_snippet_itself() -> None:
         text = resources.files(scripts).joinpath(f"{name}.lua").read_text(encoding="utf-8")
         for snippet, helper in SHARED_SNIPPETS.items():
             # Then none writes a shared helper's snippet: it includes the helper
-            assert snippet not in text, f'{name}.lua spells {snippet!r}; use --- @include "{helper}"'
+            assert snippet not in text, (
+                f'{name}.lua spells {snippet!r}; use --- @include "{helper}"')
 
 
 def test_each_shared_snippet_is_spelled_by_its_include() -> None:
