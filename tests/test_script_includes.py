@@ -82,6 +82,7 @@ SHARED_SNIPPETS = {
     "RPUSH', wake_key": "wake_marker",
     "local function count_of": "count_of",
     "job[1] == 'running' and job[2] ==": "fence",
+    "local function band_of": "band_of",
 }
 
 

@@ -104,15 +104,7 @@ local strays_key = KEYS[11]
 --- @include "wake_marker"
 --- @include "fence"
 
--- A job's priority as its hash holds it: a whole number from -100 to 100,
--- 0 when absent (enqueue.lua writes it only when it is not 0) or damaged.
-local function band_of(value)
-  local n = tonumber(value)
-  if n == nil or n ~= n then
-    return 0
-  end
-  return math.max(-100, math.min(100, math.floor(n)))
-end
+--- @include "band_of"
 
 -- A copy of an id that reprioritize.lua left behind: take one off the
 -- id's count in strays; false when strays counts none.

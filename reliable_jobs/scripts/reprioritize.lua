@@ -40,15 +40,7 @@ if priority == nil or priority ~= math.floor(priority) or priority < -100 or pri
     .. string.sub(tostring(ARGV[2]), 1, 40))
 end
 
--- A job's priority as its hash holds it: a whole number from -100 to 100,
--- 0 when absent (enqueue.lua writes it only when it is not 0) or damaged.
-local function band_of(value)
-  local n = tonumber(value)
-  if n == nil or n ~= n then
-    return 0
-  end
-  return math.max(-100, math.min(100, math.floor(n)))
-end
+--- @include "band_of"
 
 local job_id = ARGV[1]
 local job_key = job_prefix .. job_id

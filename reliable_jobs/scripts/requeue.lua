@@ -26,15 +26,7 @@ local band_prefix = KEYS[6]
 
 --- @include "wake_marker"
 
--- A job's priority as its hash holds it: a whole number from -100 to 100,
--- 0 when absent (enqueue.lua writes it only when it is not 0) or damaged.
-local function band_of(value)
-  local n = tonumber(value)
-  if n == nil or n ~= n then
-    return 0
-  end
-  return math.max(-100, math.min(100, math.floor(n)))
-end
+--- @include "band_of"
 
 -- Put an id on the left of (behind the jobs waiting in) the list of its
 -- priority band: queued itself for 0, else band_prefix .. priority.
