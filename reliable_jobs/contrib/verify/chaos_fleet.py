@@ -1,0 +1,120 @@
+"""The processes a chaos run starts and stops: its workers and its sweep.
+
+Each is a ``manage.py`` child in its own process group, stopped with
+SIGTERM then SIGKILL; :func:`interruptible` turns SIGTERM and Ctrl-C into
+:class:`~.chaos_report.Interrupted` while the run is in progress.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+
+from reliable_jobs.supervisor import signal_when_parent_dies
+
+from .chaos_report import Interrupted
+
+#: Seconds between SIGTERM and SIGKILL when the run stops its processes.
+STOP_TIMEOUT_S = 15.0
+
+
+def manage_py() -> list[str]:
+    """The command line that starts ``manage.py`` in a child, as this process was started.
+
+    ``python path/to/manage.py chaosjobs`` gives ``python path/to/manage.py``;
+    anything else (``django-admin``, ``call_command``) gives ``python -m
+    django``, which finds the project through ``DJANGO_SETTINGS_MODULE``.
+    """
+    script = Path(sys.argv[0])
+    if script.name == "manage.py" and script.is_file():
+        return [sys.executable, str(script.resolve())]
+    return [sys.executable, "-m", "django"]
+
+
+class Fleet:
+    """Every process a run starts, each logging to its own file, all stopped at the end."""
+
+    def __init__(self, argv: Sequence[str], log_dir: Path,
+                 env: dict[str, str] | None = None) -> None:
+        self.argv = list(argv)
+        self.log_dir = log_dir
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.env.setdefault("DJANGO_SETTINGS_MODULE", settings.SETTINGS_MODULE)
+        self.started: list[subprocess.Popen[bytes]] = []
+
+    def start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
+        """Start ``manage.py <args>`` with this process's environment (same settings)."""
+        with open(self.log_dir / f"{name}.log", "ab") as log:
+            proc = subprocess.Popen(
+                [*self.argv, *args], env=self.env, stdin=subprocess.DEVNULL, stdout=log,
+                stderr=subprocess.STDOUT,
+                # Its own session: Ctrl-C reaches the run only, which then stops
+                # every child in order instead of racing their signal handlers.
+                start_new_session=True,
+                preexec_fn=signal_when_parent_dies(os.getpid(), signal.SIGKILL),
+            )
+        self.started.append(proc)
+        return proc
+
+    def log_tail(self, name: str, lines: int = 20) -> str:
+        path = self.log_dir / f"{name}.log"
+        text = path.read_text(errors="replace") if path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop_all(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """SIGTERM every live child, SIGKILL what is still alive after ``timeout_s``."""
+        alive = [proc for proc in self.started if proc.poll() is None]
+        for proc in alive:
+            with contextlib.suppress(ProcessLookupError):
+                proc.terminate()
+        deadline = time.monotonic() + timeout_s
+        for proc in alive:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@dataclass(slots=True)
+class Slot:
+    """One of the ``--workers`` places: the worker serving it now."""
+
+    worker_id: str
+    name: str
+    proc: subprocess.Popen[bytes]
+
+
+@contextlib.contextmanager
+def interruptible() -> Iterator[None]:
+    """Turn SIGTERM and Ctrl-C into :class:`Interrupted`, so the fleet is always stopped.
+
+    Python's default SIGTERM ends the process without unwinding, which
+    would leave every worker behind.
+    """
+    raised = False
+
+    def interrupt(signum: int, frame: Any) -> None:
+        nonlocal raised
+        if raised:
+            return  # already stopping: a second Ctrl-C must not cut the cleanup short
+        raised = True
+        raise Interrupted(signal.Signals(signum).name)
+
+    previous = {signum: signal.signal(signum, interrupt)
+                for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
