@@ -43,10 +43,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
-from django.db import connections
 from django.utils import timezone
 
 from reliable_jobs.compat import Task
@@ -56,7 +54,7 @@ from reliable_jobs.tasks import discover, lookup
 from . import chaos_ledger
 from .broker_reads import lease_count, worker_info
 from .chaos_count import CUT_FAULT, FLUSH_FAULT, ChaosCounting
-from .chaos_fleet import Fleet, Slot, interruptible, manage_py
+from .chaos_fleet import Fleet, Slot, interruptible, manage_py, proxied_database_url
 from .chaos_report import (
     DEFAULT_TASK,
     ChaosConfig,
@@ -147,7 +145,7 @@ class ChaosRun(ChaosCounting):
                             "(FLUSHDB would empty every master).")
         if self.config.cut_postgres_at_s is not None:
             try:
-                self._proxied_database_url(0)
+                proxied_database_url(self.backend.database, 0)
             except ChaosError as exc:
                 problems.append(str(exc))
         if problems:
@@ -163,29 +161,6 @@ class ChaosRun(ChaosCounting):
                 f"running, {counts.scheduled} scheduled, {leases} leases in Redis; {unfinished} "
                 "unfinished job(s) in the database). Run chaosjobs on an idle queue."
             )
-
-    def _proxied_database_url(self, proxy_port: int) -> tuple[str, str, int]:
-        """``DATABASE_URL`` pointed at a proxy on ``proxy_port``, with the real host and port.
-
-        Children are configured from the environment like this process, so
-        the one way to route them through the proxy without touching their
-        settings is the URL they read. It must name the backend's database,
-        or cutting it would prove nothing.
-        """
-        url = os.environ.get("DATABASE_URL", "")
-        parts = urlsplit(url)
-        db = connections[self.backend.database].settings_dict
-        if (parts.scheme not in {"postgres", "postgresql", "pgsql"} or not parts.hostname
-                or parts.path.lstrip("/") != db["NAME"]):
-            raise ChaosError(
-                "--cut-postgres-at needs DATABASE_URL in the environment, a postgres:// URL "
-                f"with a TCP host naming the backend's database {db['NAME']!r}: the children "
-                "reach PostgreSQL through a proxy by a rewritten DATABASE_URL."
-            )
-        userinfo = parts.netloc.rpartition("@")[0]
-        netloc = (f"{userinfo}@" if userinfo else "") + f"127.0.0.1:{proxy_port}"
-        return (urlunsplit(parts._replace(netloc=netloc)), parts.hostname,
-                parts.port or 5432)
 
     # -- the run -----------------------------------------------------------
 
@@ -205,9 +180,10 @@ class ChaosRun(ChaosCounting):
         with interruptible():
             try:
                 if cfg.cut_postgres_at_s is not None:
-                    _, host, port = self._proxied_database_url(0)
+                    _, host, port = proxied_database_url(self.backend.database, 0)
                     self._proxy = CuttableProxy(port, host)
-                    env["DATABASE_URL"] = self._proxied_database_url(self._proxy.port)[0]
+                    env["DATABASE_URL"] = proxied_database_url(
+                        self.backend.database, self._proxy.port)[0]
                     self.out(f"chaosjobs: workers and the sweep reach PostgreSQL through a "
                              f"proxy on port {self._proxy.port}")
                 fleet = Fleet(manage_py(), self.log_dir, env)

@@ -17,12 +17,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from django.conf import settings
+from django.db import connections
 
 from reliable_jobs.supervisor import signal_when_parent_dies
 
-from .chaos_report import Interrupted
+from .chaos_report import ChaosError, Interrupted
 
 #: Seconds between SIGTERM and SIGKILL when the run stops its processes.
 STOP_TIMEOUT_S = 15.0
@@ -118,3 +120,27 @@ def interruptible() -> Iterator[None]:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def proxied_database_url(database: str, proxy_port: int) -> tuple[str, str, int]:
+    """``DATABASE_URL`` pointed at a proxy on ``proxy_port``, with the real host and port.
+
+    Children are configured from the environment like this process, so
+    the one way to route them through the proxy without touching their
+    settings is the URL they read. It must name the backend's database
+    (alias ``database``), or cutting it would prove nothing.
+    """
+    url = os.environ.get("DATABASE_URL", "")
+    parts = urlsplit(url)
+    db = connections[database].settings_dict
+    if (parts.scheme not in {"postgres", "postgresql", "pgsql"} or not parts.hostname
+            or parts.path.lstrip("/") != db["NAME"]):
+        raise ChaosError(
+            "--cut-postgres-at needs DATABASE_URL in the environment, a postgres:// URL "
+            f"with a TCP host naming the backend's database {db['NAME']!r}: the children "
+            "reach PostgreSQL through a proxy by a rewritten DATABASE_URL."
+        )
+    userinfo = parts.netloc.rpartition("@")[0]
+    netloc = (f"{userinfo}@" if userinfo else "") + f"127.0.0.1:{proxy_port}"
+    return (urlunsplit(parts._replace(netloc=netloc)), parts.hostname,
+            parts.port or 5432)
