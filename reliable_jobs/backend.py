@@ -4,10 +4,12 @@ The backend is thin: it validates and enqueues (a database row in the
 caller's transaction, then a Redis push on commit), and reads results from
 the mirror. Running jobs is the worker's business (``worker.py``).
 
-Nothing here imports the models (``models``, ``mirror``) at module level:
-Django loads this module for ``manage.py check`` even when ``reliable_jobs``
-is missing from INSTALLED_APPS, and a model import would then be a
-RuntimeError traceback instead of the E009 that says how to fix it.
+Nothing here imports the models (``models``, ``mirror``, ``staff``) at
+module level: Django loads this module for ``manage.py check`` even when
+``reliable_jobs`` is missing from INSTALLED_APPS, and a model import would
+then be a RuntimeError traceback instead of the E009 that says how to fix
+it. ``checks`` waits too: importing it registers the app's checks, which
+only an installed app may do. Types come from them under TYPE_CHECKING.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from django.db import transaction
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
-from . import conf, payload, telemetry
+from . import conf, payload, telemetry, unique
 from .broker import REDIS_ERRORS, Broker, NewJob, epoch_ms
 from .compat import (
     BaseTaskBackend,
@@ -45,9 +47,11 @@ from .compat import (
 )
 from .keys import is_valid_queue_name, shard_queue
 from .reachability import ensure_reachable
+from .results import task_result
 from .tasks import ReliableTask, lookup
 
 if TYPE_CHECKING:
+    from .models import Attempt, Job
     from .staff import Outcome
 
 logger = logging.getLogger("reliable_jobs")
@@ -184,7 +188,7 @@ class ReliableJobsBackend(BaseTaskBackend):
         max_attempts = self.task_option(task, "max_attempts")
         due_ms = epoch_ms(task.run_after)
         if getattr(task, "unique_for_ms", None) is not None:
-            made: list[tuple[Any, NewJob]] = []
+            made: list[tuple[Job, NewJob]] = []
             for args, kwargs in calls:
                 text = payload.encode(task.module_path, tuple(args), dict(kwargs),
                                       max_bytes=self.config.MAX_PAYLOAD_BYTES, trace=trace)
@@ -210,10 +214,8 @@ class ReliableJobsBackend(BaseTaskBackend):
             rows.append((job_id, shard, args_json, kwargs_json))
             by_shard[shard_queue(task.queue_name, shard)].append(
                 NewJob(job_id, text, max_attempts, due_ms, priority=task.priority))
-            results.append(TaskResult(
-                task=task, id=job_id, status=status, enqueued_at=now, started_at=None,
-                finished_at=None, last_attempted_at=None, args=args, kwargs=kwargs,
-                backend=self.alias, errors=[], worker_ids=[]))
+            results.append(task_result(task, job_id=job_id, status=status, args=args,
+                                       kwargs=kwargs, backend=self.alias, enqueued_at=now))
         new = mirror.NewJobs(
             backend=self.alias, queue=task.queue_name, task_path=task.module_path,
             priority=task.priority, state=state, max_attempts=max_attempts,
@@ -225,7 +227,7 @@ class ReliableJobsBackend(BaseTaskBackend):
             task_enqueued.send(type(self), task_result=result)
         return results
 
-    def _enqueue_unique(self, task: Task[..., Any], made: list[tuple[Any, NewJob]], *,
+    def _enqueue_unique(self, task: Task[..., Any], made: list[tuple[Job, NewJob]], *,
                         now: datetime) -> list[TaskResult[..., Any]]:
         """Enqueue calls of a unique task: each gets its new job, or the unfinished equal one.
 
@@ -233,7 +235,7 @@ class ReliableJobsBackend(BaseTaskBackend):
         rolled-back enqueue frees the key; only jobs that were inserted are
         pushed, on commit, and signalled.
         """
-        from . import mirror, unique  # see enqueue()
+        from . import mirror  # see enqueue()
 
         assert isinstance(task, ReliableTask)  # unique_for_ms is one of its options
         problem = unique.database_problem(self.database)
@@ -254,7 +256,7 @@ class ReliableJobsBackend(BaseTaskBackend):
                 by_shard[job.physical_queue].append(new_job)
         if by_shard:
             self._push_on_commit(by_shard)
-        results: dict[Any, TaskResult[..., Any]] = {}
+        results: dict[uuid.UUID, TaskResult[..., Any]] = {}
         for (job, _), holder in zip(made, holders, strict=True):
             if holder.pk not in results:
                 results[holder.pk] = self._result(holder, task)
@@ -308,7 +310,7 @@ class ReliableJobsBackend(BaseTaskBackend):
             raise TaskResultDoesNotExist(result_id) from None
         return self._result(job, self._task_for(job), attempts=list(job.attempt_set.all()))
 
-    def _task_for(self, job: Any) -> Task[..., Any]:
+    def _task_for(self, job: Job) -> Task[..., Any]:
         task = lookup(job.task_path)
         if task is None:
             # The path comes from our own table, written by enqueue(); it is
@@ -323,16 +325,16 @@ class ReliableJobsBackend(BaseTaskBackend):
             )
         return task
 
-    def _result(self, job: Any, task: Task[..., Any],
-                attempts: list[Any] | None = None) -> TaskResult[..., Any]:
+    def _result(self, job: Job, task: Task[..., Any],
+                attempts: list[Attempt] | None = None) -> TaskResult[..., Any]:
         from .models import FAILED_OUTCOMES
 
         attempts = attempts or []
         if job.queue != task.queue_name or job.run_after != task.run_after:
             task = _as_enqueued(task, queue_name=job.queue, run_after=job.run_after)
-        result: TaskResult[..., Any] = TaskResult(
-            task=task,
-            id=str(job.pk),
+        result = task_result(
+            task,
+            job_id=str(job.pk),
             status=job.task_status,
             enqueued_at=job.enqueued_at,
             started_at=job.started_at,
@@ -376,7 +378,7 @@ class ReliableJobsBackend(BaseTaskBackend):
     # -- checks ------------------------------------------------------------
 
     def check(self, **kwargs: Any) -> list[checks.CheckMessage]:
-        from .checks import check_backend
+        from .checks import check_backend  # see the module docstring
 
         return check_backend(self)
 
@@ -385,8 +387,8 @@ def _new_job_ids(batch: int = 1000) -> Iterator[str]:
     """Random (version 4) UUIDs as text, made a batch at a time.
 
     The same ids as ``str(uuid.uuid4())``, from one ``os.urandom`` call per
-    batch instead of a UUID object per job (a bulk enqueue's second largest
-    cost after the model instances it no longer builds).
+    batch instead of a UUID object per job (a UUID object per job is one of
+    the largest costs of a bulk enqueue).
     """
     while True:
         raw = bytearray(os.urandom(16 * batch))
@@ -399,7 +401,7 @@ def _new_job_ids(batch: int = 1000) -> Iterator[str]:
 
 
 def mirror_job(alias: str, task: Task[..., Any], args: Sequence[Any], kwargs: dict[str, Any], *,
-               max_attempts: int, now: datetime, shard: int = 0) -> Any:
+               max_attempts: int, now: datetime, shard: int = 0) -> Job:
     """Build (unsaved) the Job row for one enqueue."""
     from .models import Job, JobState
 

@@ -14,7 +14,7 @@ tells a task running in a thread through its context:
             write(row)
 
 A task that never looks runs to completion, but its outcome is recorded as
-cancelled and it is never retried (mirror.py, ack.lua).
+cancelled and it is never retried (mirror/, ack.lua).
 """
 
 from __future__ import annotations

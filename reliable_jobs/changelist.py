@@ -22,7 +22,7 @@ import string
 import uuid
 from datetime import timedelta
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from django.conf import settings
 from django.contrib import admin
@@ -33,10 +33,10 @@ from django.http import HttpRequest
 from django.utils import timezone
 from django.utils.translation import gettext_lazy as _
 
+from .backend import ReliableJobsBackend
 from .compat import task_backends
-
-if TYPE_CHECKING:
-    from .backend import ReliableJobsBackend
+from .dashboard import drift
+from .models import Job
 
 #: Rows counted exactly; above this the paginator shows the planner's estimate.
 COUNT_CAP = 10_000
@@ -145,23 +145,17 @@ class DriftFilter(admin.SimpleListFilter):
             return queryset
         if alias not in reliable_backends():
             return queryset.none()
-        from .dashboard import drift
-
         return queryset.filter(pk__in=drift(reliable_backend(alias)).ids)
 
 
 def reliable_backends() -> list[str]:
     """Aliases of the configured backends that are reliable_jobs backends."""
-    from .backend import ReliableJobsBackend
-
     return [alias for alias in settings.TASKS
             if isinstance(task_backends[alias], ReliableJobsBackend)]
 
 
 def reliable_backend(alias: str) -> ReliableJobsBackend:
     """The backend ``alias``, which the caller found in :func:`reliable_backends`."""
-    from .backend import ReliableJobsBackend
-
     backend = task_backends[alias]
     if not isinstance(backend, ReliableJobsBackend):
         raise TypeError(f"TASKS[{alias!r}] is not a ReliableJobsBackend.")
@@ -172,7 +166,7 @@ def reliable_backend(alias: str) -> ReliableJobsBackend:
 MIN_ID_PREFIX = 4
 
 
-def search(queryset: QuerySet[Any], term: str) -> QuerySet[Any]:
+def search(queryset: QuerySet[Job], term: str) -> QuerySet[Job]:
     """Find jobs by id, by id prefix, or by part of a task path.
 
     A whole id is a primary-key lookup. A prefix of 4+ hex digits is a range

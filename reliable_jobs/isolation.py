@@ -166,7 +166,8 @@ def _child_main(sender: Connection, payload_text: str, job_id: str, attempt: int
     # child a second after its limit.
     signal.alarm(math.ceil(timeout_s) + 1)
     from . import payload
-    from .compat import TaskResult, TaskResultStatus, normalize_json
+    from .compat import TaskResultStatus, normalize_json
+    from .results import task_result
     from .tasks import lookup
 
     try:
@@ -177,10 +178,9 @@ def _child_main(sender: Connection, payload_text: str, job_id: str, attempt: int
         if task.takes_context:
             from .cancellation import JobContext
 
-            result: TaskResult[..., Any] = TaskResult(
-                task=task.using(queue_name=queue), id=job_id, status=TaskResultStatus.RUNNING,
-                enqueued_at=None, started_at=None, finished_at=None, last_attempted_at=None,
-                args=decoded.args, kwargs=decoded.kwargs, backend=backend, errors=[],
+            result = task_result(
+                task.using(queue_name=queue), job_id=job_id, status=TaskResultStatus.RUNNING,
+                args=decoded.args, kwargs=decoded.kwargs, backend=backend,
                 worker_ids=[worker_id] * attempt,
             )
             # The same context class as in a thread; a cancel kills this process.

@@ -289,9 +289,15 @@ def serve(port: int, worker: Worker, *, addr: str = "0.0.0.0") -> Any:
 
 
 def _mounted(patterns: list[Any]) -> bool:
-    """Whether the URL patterns (nested includes too) route to :func:`view`."""
+    """Whether the URL patterns (nested includes too) route to :func:`view`.
+
+    ``reliable_jobs.urls`` mounts it through ``metrics_view``, which imports
+    this module on the first request.
+    """
+    from .urls import metrics_view
+
     for pattern in patterns:
-        if getattr(pattern, "callback", None) is view:
+        if getattr(pattern, "callback", None) in (view, metrics_view):
             return True
         with contextlib.suppress(Exception):
             if _mounted(list(getattr(pattern, "url_patterns", []))):

@@ -2,7 +2,7 @@
 
 Redis holds what is live; these tables hold everything, for durability (the
 sweep rebuilds Redis from them), history (the admin) and ``get_result()``.
-Only ``mirror.py`` writes job state; the model owns the vocabulary.
+Only the ``mirror`` package writes job state; the model owns the vocabulary.
 """
 
 from __future__ import annotations
@@ -58,9 +58,6 @@ class JobQuerySet(models.QuerySet["Job"]):
     def unfinished(self) -> JobQuerySet:
         return self.filter(state__in=UNFINISHED_STATES)
 
-    def dead(self) -> JobQuerySet:
-        return self.filter(state=JobState.DEAD)
-
 
 class Job(models.Model):
     id = models.UUIDField(_("id"), primary_key=True, default=uuid.uuid4, editable=False)
@@ -91,7 +88,7 @@ class Job(models.Model):
     #: Only unfinished jobs hold their key (the rj_job_unique_key index), so a
     #: job that ends frees it by the same write that ends it; the key stays
     #: on the row as history. NULL, not "", for a job without one: the plain
-    #: INSERT (mirror._PG_INSERT_JOB) leaves the column out, and NULLs never clash.
+    #: INSERT (mirror.postgres.INSERT_JOB) leaves the column out, and NULLs never clash.
     unique_key = models.CharField(  # noqa: DJ001 - NULL means "no key", see above
         _("unique key"), max_length=64, null=True, blank=True, editable=False)
 

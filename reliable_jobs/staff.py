@@ -96,7 +96,7 @@ def cancel(backend: ReliableJobsBackend, job_id: Any) -> Outcome:
     The row is locked first and marked cancelled in the same transaction:
     a worker's outcome that reached the mirror first wins (the job has
     finished: nothing is cancelled), one that comes later finds the row
-    cancelled and is recorded as a cancelled attempt (mirror.py). Either
+    cancelled and is recorded as a cancelled attempt (mirror/). Either
     way the job ends one of the two, and its history says which.
     """
     database = backend.config.DATABASE

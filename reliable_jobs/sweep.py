@@ -100,7 +100,8 @@ class Sweep:
         """
         report = SweepReport()
         refunds: dict[str, int] = {}
-        for queue in physical if physical is not None else self.physical_queues():
+        queues = physical if physical is not None else self.physical_queues()
+        for queue in self.backend.broker.sweepable(queues):
             recovered = self._recover(queue, report)
             report.orphans += recovered.stamped
             for job in recovered.outcomes:

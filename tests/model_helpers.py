@@ -486,7 +486,7 @@ class QueueMachine(RuleBasedStateMachine):
     def finished_rows_stay_finished(self) -> None:
         """Succeeded stays succeeded; dead and cancelled move only by staff action.
 
-        One exception, by design (mirror.py): a dead job that Redis ran again
+        One exception, by design (the mirror package): a dead job that Redis ran again
         (its lease had expired first) and that then succeeded is succeeded.
         """
         for job_id, row in self.rows().items():

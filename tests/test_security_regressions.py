@@ -1,6 +1,6 @@
 """Hostile Redis contents and odd task results that used to stop workers.
 
-Each test failed before the fix it names (in broker.py, mirror.py or
+Each test failed before the fix it names (in broker.py, mirror/ or
 worker.py). Without it the worker process died (UnicodeDecodeError in its
 claim; a finisher thread killed by a DataError stops the worker), and so did
 every worker that picked the same job up after a restart: a job whose claim
@@ -78,7 +78,7 @@ def test_a_job_id_that_is_not_a_uuid_does_not_stall_the_worker(
     rj_settings: Any, processes: Processes, redis_client: redis.Redis
 ) -> None:
     # Given a job written into Redis by hand under an id no row can have
-    # (mirror.py: such records are skipped instead of failing the batch)
+    # (mirror/records.py: such records are skipped instead of failing the batch)
     env = rj_settings()
     task_backends["default"].broker.enqueue("default", [NewJob("not-a-uuid", add_payload(1, 2),
                                                                3)])
@@ -98,7 +98,7 @@ def test_a_task_returning_infinity_does_not_stall_the_worker(
     rj_settings: Any, processes: Processes
 ) -> None:
     # Given a task whose result is not finite (1e308 + 1e308), beside an ordinary one
-    # (mirror.py: a result JSON cannot spell is stored as the string "Infinity")
+    # (mirror/records.py: a result JSON cannot spell is stored as the string "Infinity")
     env = rj_settings()
     overflow = demo.add.enqueue(1e308, 1e308)
     good = demo.add.enqueue(2, 2)
@@ -140,7 +140,7 @@ def test_the_mirror_stores_what_a_task_produced_even_when_postgresql_could_not(
 ) -> None:
     # Given a job row, and records the database would refuse as they are: NUL and a
     # lone surrogate in the error, NaN in the result, an id that is not a UUID and an
-    # attempt beyond the integer column (mirror.py: _make_storable)
+    # attempt beyond the integer column (mirror/records.py: make_storable)
     result = demo.add.enqueue(1, 1)
     now = timezone.now()
     records = [

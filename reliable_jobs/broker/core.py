@@ -40,6 +40,8 @@ class BrokerCore:
             for name in scripts.SCRIPT_NAMES
         }
         self._blocking: redis.Redis | None = None
+        #: The server refused LMPOP (Redis < 7): :meth:`woken` pipelines LPOPs.
+        self._no_lmpop = False
         #: Shards this process recorded in their shards index, and when (monotonic s).
         self._registered: dict[str, float] = {}
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import redis
+
 from ..exceptions import AttemptsExhausted, LeaseExpired, class_path
 from ..keys import wake_marker
 from .core import BrokerCore
@@ -64,6 +66,38 @@ class Lifecycle(BrokerCore):
         if reply is None:
             return None
         return markers[reply[0]], None  # type: ignore[index]  # decoded: str keys
+
+    def woken(self, queues: Sequence[str]) -> list[str]:
+        """Without blocking, take the wake markers of ``queues``; return the queues that had one.
+
+        A worker busy on other queues never blocks on the markers, so it
+        asks for them this way now and then (worker/skip.py). Taking a marker
+        obliges the caller to claim from its queue, as after :meth:`wait`;
+        a claim that leaves work behind pushes a marker again. One ``LMPOP``
+        per marker found (Redis 7); on an older server one ``LPOP`` per queue
+        in one pipeline.
+        """
+        markers = {(wake_marker(self.prefix, q) if self.cluster else self.keys(q).wake): q
+                   for q in queues}
+        found: list[str] = []
+        if not self._no_lmpop:
+            left = list(markers)
+            try:
+                while left:
+                    reply = self.client.execute_command("LMPOP", len(left), *left, "LEFT")
+                    if not reply:
+                        return found
+                    found.append(markers[reply[0]])
+                    left.remove(reply[0])
+                return found
+            except redis.ResponseError:  # Redis < 7: no LMPOP
+                self._no_lmpop = True
+        with self.client.pipeline(transaction=False) as pipe:
+            for marker in markers:
+                pipe.lpop(marker)
+            popped = pipe.execute()
+        return found + [q for q, got in zip(markers.values(), popped, strict=True)
+                        if got is not None and q not in found]
 
     def claim(
         self, queue: str, *, count: int, lease_ms: int, moved_id: str | None = None
@@ -152,6 +186,22 @@ class Lifecycle(BrokerCore):
         return released
 
     # -- the sweep -------------------------------------------------------
+
+    def sweepable(self, queues: Sequence[str]) -> list[str]:
+        """Those of ``queues`` the sweep has anything to look at in (one round trip).
+
+        Recover works on leases, processing and landing, promote on
+        scheduled: a queue with all four empty is skipped, which keeps a
+        pass over hundreds of idle queues from costing three script calls
+        each. Work that arrives just after this look waits for the next pass,
+        as it would after the pass itself.
+        """
+        with self.client.pipeline(transaction=False) as pipe:
+            for queue in queues:
+                k = self.keys(queue)
+                pipe.exists(k.leases, k.processing, k.landing, k.scheduled)
+            found = pipe.execute()
+        return [queue for queue, n in zip(queues, found, strict=True) if n]
 
     def expired(self, queue: str, *, limit: int = SWEEP_BATCH) -> list[Fence]:
         """Started attempts whose lease expired (read-only; see expired.lua)."""

@@ -55,6 +55,7 @@ from .leases import LeaseKeeper
 from .maintenance import Maintenance
 from .pace import Pace
 from .registry import InHand
+from .skip import QueueSkipper
 
 if TYPE_CHECKING:
     from ..backend import ReliableJobsBackend
@@ -115,7 +116,8 @@ class Worker:
         #: The shards of ``queues`` (just the queues when none is sharded),
         #: refreshed by every sweep so a change of SHARDS is picked up.
         self._physical = list(self.queues)
-        self._claim_offset = 0
+        #: Skips queues found empty until their wake marker says otherwise.
+        self._skipper = QueueSkipper()
         self.stats = WorkerStats()
         #: True when a worker thread died of an unexpected error (exit non-zero).
         self.crashed = False
@@ -320,6 +322,8 @@ class Worker:
                     queue, moved_id = woken
                     crash_point("after_blmove")
                     self._claim(queue, self._capacity(), moved_id)
+                else:
+                    self._skipper.try_all()  # idle for a while: try every queue again
                 backoff.reset()
                 if self._redis_outage.ok():
                     # Redis may have come back empty: reconcile as soon as the
@@ -370,12 +374,11 @@ class Worker:
         """Claim without blocking from every queue in turn; return how many.
 
         Each round starts one queue further on, so no queue (or shard) is
-        always served first.
+        always served first; queues found empty are skipped until they may
+        have work (skip.py).
         """
         claimed = 0
-        queues = self._physical
-        self._claim_offset = (self._claim_offset + 1) % len(queues)
-        for queue in queues[self._claim_offset:] + queues[:self._claim_offset]:
+        for queue in self._skipper.round(self._physical, self.broker.woken):
             if capacity - claimed <= 0:
                 break
             claimed += self._claim(queue, capacity - claimed, None)
@@ -395,10 +398,14 @@ class Worker:
                       "without finishing (worker lost or lease expired)"))
         for garbage in result.garbage:
             logger.warning("Moved aside %r found on queue %r: no such job.", garbage, queue)
+        self._skipper.found(queue, bool(result.jobs or result.remaining))
         return len(result.jobs)
 
     def _burst_done(self) -> bool:
         if len(self.in_hand):
+            return False
+        if not self._skipper.last_full:  # some queue was skipped: try them all first
+            self._skipper.try_all()
             return False
         counts = [self.broker.counts(queue) for queue in self._physical]
         return not any(c.queued or c.running or c.scheduled for c in counts)

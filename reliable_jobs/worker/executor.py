@@ -43,6 +43,7 @@ from ..keys import logical_queue
 from ..logformat import log_attempt
 from ..mirror import CANCELLED_ERROR, AttemptRecord, cancelled_record
 from ..models import AttemptOutcome, JobState
+from ..results import task_result
 from ..tasks import lookup
 from .backoff import Backoff, Outage
 from .finisher import Finisher, Outcome
@@ -57,6 +58,19 @@ logger = logging.getLogger("reliable_jobs.worker")
 #: First attempts an executor thread marks started in one round trip, then
 #: runs in turn: the most a crash in one of them can charge the others.
 MARK_AHEAD = 16
+#: ... up to this many when the jobs are so short (see mark_group) that the
+#: whole group is run within MARK_WITHIN_MS: the round trip per group was
+#: the largest cost of a no-op job, and a crash charges at most jobs this
+#: worker would have run within a few milliseconds anyway.
+MARK_AHEAD_MAX = 64
+MARK_WITHIN_MS = 2.0
+
+
+def mark_group(average_ms: float | None) -> int:
+    """How many first attempts to mark in one round trip, by the observed pace."""
+    if average_ms is None:
+        return MARK_AHEAD
+    return max(MARK_AHEAD, min(MARK_AHEAD_MAX, int(MARK_WITHIN_MS / max(average_ms, 0.001))))
 
 
 class Executor:
@@ -86,9 +100,10 @@ class Executor:
         """Run jobs from the buffer, marking them started in small groups first.
 
         A first attempt is marked together with up to MARK_AHEAD - 1 more
-        waiting first attempts (one round trip for the group), which go back
-        to the front of the buffer for any thread to run; a crash charges at
-        most those. A later attempt, possibly a job that crashed its worker
+        waiting first attempts (MARK_AHEAD_MAX - 1 for very short jobs, see
+        mark_group; one round trip for the group), which go back to the
+        front of the buffer for any thread to run; a crash charges at most
+        those. A later attempt, possibly a job that crashed its worker
         before, is marked alone and only once the outcomes of everything this
         worker finished are durable.
         """
@@ -105,7 +120,8 @@ class Executor:
                     self.finisher.wait_until_flushed()
                     group = [job]
                 else:
-                    group = [job, *self.buffer.take_first_attempts(MARK_AHEAD - 1)]
+                    group = [job, *self.buffer.take_first_attempts(
+                        mark_group(self.pace.average_ms()) - 1)]
                 held = self._mark_started(group)
                 if not held:
                     continue
@@ -121,7 +137,11 @@ class Executor:
             try:
                 self._execute(job)
                 self.in_hand.done(job)
-                self.slot_freed.set()  # room to claim ahead again
+                # Room to claim ahead again. Set only if not set already: the
+                # main loop clears it before it counts the room, so an Event
+                # still set means it has yet to count, and will see this slot.
+                if not self.slot_freed.is_set():
+                    self.slot_freed.set()
             finally:
                 # Like Django's request cycle: a task's database connection is
                 # closed (or kept, per CONN_MAX_AGE) when it ends, so the next
@@ -189,8 +209,13 @@ class Executor:
                     f"{decoded.task_path!r} is not a registered task of backend "
                     f"{self.backend.alias!r}; it was not imported."
                 )
-            result = self._task_result(task, job, decoded, started_at)
-            task_started.send(type(self.backend), task_result=result)
+            # Django's TaskResult (and normalize_json of the arguments) only for
+            # someone who can see it: a receiver of the signals, a takes_context task.
+            sender = type(self.backend)
+            if (task.takes_context or task_started.has_listeners(sender)
+                    or task_finished.has_listeners(sender)):
+                result = self._task_result(task, job, decoded, started_at)
+                task_started.send(sender, task_result=result)
             with telemetry.hook.attempt(job, task_path, decoded.trace):
                 crash_point("in_task")
                 if cancellation.requested():  # since its start mark: do not begin the task
@@ -204,6 +229,7 @@ class Executor:
                         timeout_s=timeout_ms / 1000, cancellation=cancellation,
                     )
                 elif task.takes_context:
+                    assert result is not None  # built above for every takes_context task
                     value = task.call(JobContext(task_result=result, cancellation=cancellation),
                                       *decoded.args, **decoded.kwargs)
                 else:
@@ -219,10 +245,11 @@ class Executor:
                 self._cancelled(job, None, task_path, result, started_at)
                 return
             finished_at = timezone.now()
-            object.__setattr__(result, "status", TaskResultStatus.SUCCESSFUL)
-            object.__setattr__(result, "finished_at", finished_at)
-            object.__setattr__(result, "_return_value", value)
-            task_finished.send(type(self.backend), task_result=result)
+            if result is not None:
+                object.__setattr__(result, "status", TaskResultStatus.SUCCESSFUL)
+                object.__setattr__(result, "finished_at", finished_at)
+                object.__setattr__(result, "_return_value", value)
+                task_finished.send(type(self.backend), task_result=result)
             done = AttemptRecord(job_id=job.id, attempt=job.attempt, gen=job.gen,
                                  job_state=JobState.SUCCEEDED, worker_id=self.worker_id,
                                  started_at=started_at, finished_at=finished_at,
@@ -242,11 +269,10 @@ class Executor:
         queue = logical_queue(job.queue)  # the shard's queue, as enqueued
         if task.queue_name != queue:
             task = task.using(queue_name=queue)
-        return TaskResult(
-            task=task, id=job.id, status=TaskResultStatus.RUNNING, enqueued_at=None,
-            started_at=started_at, finished_at=None, last_attempted_at=started_at,
-            args=decoded.args, kwargs=decoded.kwargs, backend=self.backend.alias,
-            errors=[], worker_ids=[self.worker_id] * job.attempt,
+        return task_result(
+            task, job_id=job.id, status=TaskResultStatus.RUNNING, started_at=started_at,
+            last_attempted_at=started_at, args=decoded.args, kwargs=decoded.kwargs,
+            backend=self.backend.alias, worker_ids=[self.worker_id] * job.attempt,
         )
 
     def _cancelled(self, job: ClaimedJob, exc: BaseException | None, task_path: str,

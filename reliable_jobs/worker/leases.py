@@ -72,9 +72,10 @@ class LeaseKeeper:
                 self.redis_outage.failed(exc, "renewing leases")
                 ok = False
                 continue
-            lost = [job for job, renewed in zip(jobs, kept, strict=True)
-                    if renewed == Applied.REFUSED]
-            self.in_hand.lose(lost)
+            refused = [job for job, renewed in zip(jobs, kept, strict=True)
+                       if renewed == Applied.REFUSED]
+            # Acked meanwhile (refused because no longer running) is not lost.
+            lost = self.in_hand.lose(refused) if refused else []
             cancelled = [job for job, renewed in zip(jobs, kept, strict=True)
                          if renewed == Applied.CANCELLED]
             for job in self.in_hand.cancel(cancelled) if cancelled else ():

@@ -38,6 +38,10 @@ class Pace:
             else:
                 self._average_ms += SMOOTHING * (duration_ms - self._average_ms)
 
+    def average_ms(self) -> float | None:
+        """The moving average of job durations, in ms; None before the first job."""
+        return self._average_ms
+
     def ahead(self, threads: int) -> int:
         """How many jobs to claim beyond those running."""
         average = self._average_ms

@@ -119,12 +119,23 @@ class InHand:
                 if held is not None:
                     held.mirrored = True
 
-    def lose(self, jobs: Iterable[ClaimedJob]) -> None:
+    def lose(self, jobs: Iterable[ClaimedJob]) -> list[ClaimedJob]:
+        """Mark ``jobs`` lost (Redis refused their renewal); return those really lost.
+
+        The renewal works on a snapshot of the jobs in hand: the finisher
+        may ack one before the renewal reaches Redis, which then refuses it.
+        A job whose outcome is in the mirror (its ack on its way, or landed)
+        or that left the hand meanwhile is done, not lost: it is neither
+        marked nor returned.
+        """
+        lost: list[ClaimedJob] = []
         with self._lock:
             for job in jobs:
                 held = self._held.get(held_key(job))
-                if held is not None:
+                if held is not None and not held.mirrored:
                     held.lost = True
+                    lost.append(job)
+        return lost
 
     def renewable(self) -> dict[str, list[ClaimedJob]]:
         """Jobs whose lease is still ours, by queue."""

@@ -189,8 +189,8 @@ def measure_floor(backend: ReliableJobsBackend, queue: str, *, samples: int) -> 
     template.queue = FLOOR_QUEUE
     # The statement and values of mirror.insert_job, built once: what is left
     # per job is the driver's round trip.
-    sql = mirror._PG_INSERT_JOB
-    rest = mirror._row_values(template)[1:]
+    sql = mirror.postgres.INSERT_JOB
+    rest = mirror.postgres.row_values(template)[1:]
     text = payload.encode(task.module_path, (), {}, max_bytes=backend.config.MAX_PAYLOAD_BYTES)
     client = backend.broker.client
     keys = backend.broker.keys(FLOOR_QUEUE)

@@ -1,0 +1,331 @@
+"""Every database write about jobs: the mirror of what happens in Redis.
+
+The package's modules: this one is the write API (what the rest of the
+package imports); ``records`` holds what is written (attempt records, new
+rows) and the state groups the rules name; ``postgres`` the PostgreSQL
+statements, ``portable`` the same writes through the ORM for every other
+database, each rule below written once per path under its name;
+``reconcile`` what recovery reads and locks; ``prune`` the deletes.
+
+Writes are fenced like the scripts, by generation and attempt number, and
+outcomes are final. The rules, by the names the two paths use:
+
+- "generation fence": a row is moved only by a record of the row's
+  generation whose attempt is at least the row's, so a stale worker's late
+  write (an older attempt, or any attempt from before the job was rebuilt)
+  never overwrites a newer one;
+- "outcomes final": an attempt's own outcome (succeeded, failed, timed out)
+  is never overwritten by a record that its lease expired or it was
+  released;
+- "ended stays ended": a job that ended (succeeded or dead) is moved only
+  by a later attempt that succeeded (Redis ran it again after a lease
+  expiry), never back to queued, scheduled or running, and never from
+  succeeded to dead;
+- "lost attempt": an attempt recorded as lease_expired (its worker lost the
+  job) does not move the job when its late result arrives: the history
+  keeps the result in the attempt's error, the job follows the attempt that
+  holds it now;
+- "cancel wins": no worker record moves a cancelled job, and an attempt
+  that ends after its job was cancelled (staff or code cancelled it while
+  it ran) is recorded as cancelled, whatever it returned or raised: the job
+  ends either succeeded (its outcome reached the mirror first, and the
+  cancel is refused) or cancelled, never both;
+- "abandoned closed": an earlier attempt still open when a later one is
+  written is closed as lease_expired, so no attempt stays "running";
+- "lock order": every writer locks the rows it moves first, in id order.
+
+A unique job's key (``Job.unique_key``) counts only while the row is
+unfinished (the partial index rj_job_unique_key), so every write here that
+ends a job frees its key with the same UPDATE, at no extra cost; the one
+write that makes a finished job unfinished again (:func:`mark_queued_again`)
+clears the key first, and :func:`insert_unique_jobs` is the only reader.
+
+Worker writes arrive in batches (one transaction per batch); a failed batch
+is retried by the caller, never dropped, and the Redis ack waits for it.
+
+A staff action locks the job's row, acts in Redis, then writes the row in
+the same transaction: a worker's write about the attempt the action lets
+run waits for that commit, so it lands after the action's, never under it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db import connections, transaction
+from django.db.models.functions import Greatest
+from django.utils import timezone
+
+from ..models import UNFINISHED_STATES, Job, JobState
+from . import portable, postgres
+from .prune import delete_jobs, lock_prunable
+from .reconcile import (
+    LOCKED_ELSEWHERE,
+    RowState,
+    grace_cutoff,
+    lock_for_recovery,
+    lock_unfinished,
+    next_generation,
+    reconcile_candidates,
+)
+from .records import (
+    ABANDONED_ERROR,
+    CANCELLED_ERROR,
+    FINISHED_STATES,
+    LOSS_OUTCOMES,
+    MAX_ATTEMPT,
+    RAN_OUTCOMES,
+    TERMINAL_STATES,
+    AttemptRecord,
+    NewJobs,
+    cancelled_record,
+    expired_record,
+    make_storable,
+)
+
+__all__ = [
+    "ABANDONED_ERROR", "CANCELLED_ERROR", "FINISHED_STATES", "LOCKED_ELSEWHERE", "LOSS_OUTCOMES",
+    "MAX_ATTEMPT", "RAN_OUTCOMES", "TERMINAL_STATES", "AttemptRecord", "NewJobs", "RowState",
+    "bury", "cancelled_record", "delete_jobs", "expired_record", "grace_cutoff", "insert_job",
+    "insert_new_jobs", "insert_unique_jobs", "lock_for_recovery", "lock_job", "lock_prunable",
+    "lock_unfinished", "mark_cancelled", "mark_priority", "mark_queued_again", "mark_rebuilt",
+    "next_generation", "raise_budgets", "reconcile_candidates", "record",
+]
+
+
+def _on_postgresql(using: str) -> bool:
+    return connections[using].vendor == "postgresql"
+
+
+# -- new jobs -------------------------------------------------------------
+
+
+def insert_job(using: str, job: Job) -> None:
+    """Insert a new job row (inside the caller's transaction, if any)."""
+    if _on_postgresql(using):
+        postgres.insert_job(connections[using], job)
+    else:
+        portable.insert_job(using, job)
+
+
+def insert_new_jobs(using: str, new: NewJobs) -> None:
+    """Insert the rows of one bulk enqueue, inside the caller's transaction.
+
+    On PostgreSQL with one COPY, elsewhere with ``bulk_create``.
+    """
+    if _on_postgresql(using):
+        postgres.insert_new_jobs(connections[using], new)
+    else:
+        portable.insert_new_jobs(using, new)
+
+
+#: Rounds of insert, look-up and release insert_unique_jobs makes before it
+#: gives up: each round ends with every job inserted or its key's holder
+#: found, unless a holder finished or went stale in between; two suffice
+#: unless the rows keep changing under it.
+_UNIQUE_ROUNDS = 5
+
+
+def insert_unique_jobs(using: str, jobs: Sequence[Job], *, window_ms: int,
+                       while_running: bool, now: datetime) -> list[Job]:
+    """Insert each job unless an unfinished job holds its ``unique_key``.
+
+    Returns, per job in order, the job that holds its key: the job itself
+    when it was inserted, the earlier job otherwise (an earlier one of
+    ``jobs`` with the same key counts too). Runs in the caller's
+    transaction, if any (each statement commits by itself otherwise): the
+    rj_job_unique_key index is the judge, so of two transactions inserting
+    one key the second waits for the first, and takes the key itself if the
+    first rolls back.
+
+    A holder counts while it is queued or scheduled (running too with
+    ``while_running``) and its window lasts: ``window_ms`` from its enqueue,
+    or from its run_after when that is later. One that no longer counts
+    gives its key up here (the row keeps its state; the caller's
+    transaction holds its lock until it ends), and the job is inserted in
+    its place.
+    """
+    firsts: dict[str, Job] = {}
+    for job in jobs:
+        if not job.unique_key:
+            raise ValueError(f"Job {job.pk} has no unique_key.")
+        firsts.setdefault(job.unique_key, job)
+    holders: dict[str, Job] = {}
+    pending = list(firsts.values())
+    window = timedelta(milliseconds=window_ms)
+    for _ in range(_UNIQUE_ROUNDS):
+        inserted = _insert_ignoring_conflicts(using, pending)
+        holders.update((str(job.unique_key), job) for job in pending if job.pk in inserted)
+        taken = [job for job in pending if job.pk not in inserted]
+        if not taken:
+            break
+        found = _key_holders(using, [str(job.unique_key) for job in taken])
+        pending, stale = [], []
+        for job in taken:
+            row = found.get(str(job.unique_key))
+            if row is not None and _holds_key(row, window, while_running, now):
+                holders[str(job.unique_key)] = row
+                continue
+            if row is not None:
+                stale.append(row.pk)
+            pending.append(job)  # the holder finished in between, or is stale: try again
+        _release_keys(using, stale)
+        if not pending:
+            break
+    else:
+        raise RuntimeError(
+            f"Could not settle the unique keys of {len(pending)} job(s) in {_UNIQUE_ROUNDS} "
+            "rounds: their holders kept changing. Enqueue them again.")
+    return [holders[str(job.unique_key)] for job in jobs]
+
+
+def _insert_ignoring_conflicts(using: str, jobs: Sequence[Job]) -> set[uuid.UUID]:
+    """Insert those of ``jobs`` whose unique key is free; return the ids inserted."""
+    if _on_postgresql(using):
+        return postgres.insert_ignoring_conflicts(connections[using], jobs)
+    return portable.insert_ignoring_conflicts(using, jobs)
+
+
+def _key_holders(using: str, keys: Sequence[str]) -> dict[str, Job]:
+    """The unfinished job holding each of ``keys`` (those held), by key."""
+    rows = (postgres.key_holders(using, keys) if _on_postgresql(using)
+            else portable.key_holders(using, keys))
+    return {str(row.unique_key): row for row in rows}
+
+
+def _holds_key(row: Job, window: timedelta, while_running: bool, now: datetime) -> bool:
+    """Whether an unfinished job still holds its unique key for an equal call."""
+    if row.state == JobState.RUNNING and not while_running:
+        return False
+    start = max(row.enqueued_at, row.run_after) if row.run_after else row.enqueued_at
+    return start + window > now
+
+
+def _release_keys(using: str, job_ids: Sequence[Any]) -> None:
+    """Take the unique key off unfinished jobs whose key no longer counts.
+
+    Rows locked first, in id order, as every other mirror writer locks them.
+    """
+    if not job_ids:
+        return
+    rows = Job.objects.using(using).filter(pk__in=job_ids, state__in=UNFINISHED_STATES)
+    with transaction.atomic(using=using, savepoint=False):
+        locked = list(rows.select_for_update(no_key=True).order_by("pk")
+                      .values_list("pk", flat=True))
+        Job.objects.using(using).filter(pk__in=locked).update(unique_key=None)
+
+
+# -- worker and sweep records --------------------------------------------
+
+
+def record(using: str, records: Iterable[AttemptRecord]) -> None:
+    """Write a batch of attempt records in one transaction.
+
+    Records for jobs that have no row (payloads pushed into Redis by hand)
+    are skipped: there is no history to keep for them.
+    """
+    merged: dict[tuple[str, int, int], AttemptRecord] = {}
+    for rec in records:
+        key = (rec.job_id, rec.gen, rec.attempt)
+        earlier = merged.get(key)
+        if earlier is not None:
+            if (earlier.outcome and not rec.outcome) or (
+                    earlier.outcome in RAN_OUTCOMES and rec.outcome in LOSS_OUTCOMES):
+                continue  # a start after its finish, or a loss after a result, changes nothing
+            rec.started_at = rec.started_at or earlier.started_at
+            rec.worker_id = rec.worker_id or earlier.worker_id
+        merged[key] = rec
+    # Cleaned once per attempt, after the start and finish records merged.
+    storable = [rec for rec in merged.values() if make_storable(rec)]
+    if not storable:
+        return
+    # A job's newest attempt decides its row (older ones only fill in history).
+    newest: dict[str, AttemptRecord] = {}
+    for rec in storable:
+        if rec.job_id not in newest or (rec.gen, rec.attempt) > (newest[rec.job_id].gen,
+                                                                 newest[rec.job_id].attempt):
+            newest[rec.job_id] = rec
+    if _on_postgresql(using):
+        postgres.write_batch(using, storable, newest)
+    else:
+        portable.write_batch(using, storable, newest)
+
+
+# -- recovery: what the sweep and staff rebuilds write --------------------
+
+
+def mark_rebuilt(using: str, rows: Sequence[Job], *, now: datetime) -> None:
+    """Mirror rebuilt jobs: their new generation and attempts, their state, a fresh grace."""
+    for row in rows:
+        Job.objects.using(using).filter(pk=row.pk).update(
+            generation=row.generation, attempts=row.attempts, updated_at=now,
+            state=JobState.SCHEDULED if row.run_after and row.run_after > now
+            else JobState.QUEUED)
+
+
+def raise_budgets(using: str, budgets: dict[str, int]) -> None:
+    """Mirror refunds: a claim that never started gave its job one more attempt."""
+    jobs = Job.objects.using(using)
+    with transaction.atomic(using=using):
+        for job_id, max_attempts in budgets.items():
+            jobs.filter(pk=job_id).update(max_attempts=Greatest("max_attempts", max_attempts))
+
+
+def bury(using: str, job_id: str, *, attempts: int, gen: int, error: str) -> None:
+    """Mirror a death Redis already recorded (for example by recover), fenced."""
+    now = timezone.now()
+    Job.objects.using(using).filter(pk=job_id, state__in=UNFINISHED_STATES, generation=gen,
+                                    attempts__lte=attempts).update(
+        state=JobState.DEAD, attempts=Greatest("attempts", attempts), last_error=error,
+        finished_at=now, updated_at=now,
+    )
+
+
+# -- staff actions (staff.py) ---------------------------------------------
+
+
+def lock_job(using: str, job_id: Any) -> Job | None:
+    """Lock one job's row until the caller's transaction ends (None if it is gone)."""
+    return Job.objects.using(using).select_for_update().filter(pk=job_id).first()
+
+
+def mark_queued_again(using: str, job: Job, *, max_attempts: int,
+                      clear_run_after: bool = False) -> None:
+    """Mirror a staff retry or requeue: queued again, with ``max_attempts`` as budget.
+
+    The row's generation and attempts are written as ``job`` holds them
+    (raised by :func:`next_generation` when the action rebuilt the job).
+    ``clear_run_after`` drops a future run_after the job no longer waits
+    for, so a reconcile rebuild cannot schedule it for later again. A
+    finished job queued again gives up its unique key.
+    """
+    changes: dict[str, Any] = {"state": JobState.QUEUED, "max_attempts": max_attempts,
+                               "generation": job.generation, "attempts": job.attempts,
+                               "finished_at": None, "updated_at": timezone.now()}
+    if job.state in FINISHED_STATES:
+        # Its unique key was freed when it finished and may have a new holder:
+        # the job runs again without one (keeping it could break the index).
+        changes["unique_key"] = None
+    if clear_run_after:
+        changes["run_after"] = None
+    Job.objects.using(using).filter(pk=job.pk).update(**changes)
+
+
+def mark_cancelled(using: str, job_id: Any) -> None:
+    """Mirror a cancel Redis already applied (the job was taken off its list)."""
+    now = timezone.now()
+    Job.objects.using(using).filter(pk=job_id).update(
+        state=JobState.CANCELLED, finished_at=now, updated_at=now)
+
+
+def mark_priority(using: str, job_id: Any, priority: int) -> None:
+    """Mirror a priority change Redis already applied (see reprioritize.lua).
+
+    The row's priority is what a rebuild from the mirror pushes again, so a
+    job Redis loses later comes back at the priority staff gave it.
+    """
+    Job.objects.using(using).filter(pk=job_id).update(priority=priority,
+                                                      updated_at=timezone.now())

@@ -1,0 +1,296 @@
+"""The mirror's PostgreSQL path: every statement named, and what runs each.
+
+``portable`` holds the same writes through the ORM, for every other
+database; each fencing rule (see the package docstring) is written once
+here, in SQL, and once there, and the docstrings name the rule.
+
+Worker batches: one statement per table per batch
+(docs/prototype-performance.md: per-row statements cap the drain at a few
+hundred jobs/s); fencing is in the WHERE clause. Each column travels as ONE
+text value, joined with the unit separator (U+001F) and split by
+string_to_array() on the server: Django's client-side binding would
+otherwise quote every array element in Python, which cost more than the
+statements themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+from django.db import connections, transaction
+from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.backends.utils import CursorWrapper
+
+from ..faults import stop_point
+from ..models import UNFINISHED_STATES, Attempt, Job
+from .records import (
+    ABANDONED_ERROR,
+    RAN_OUTCOMES,
+    AttemptRecord,
+    NewJobs,
+    chunks,
+    mark_cancelled_attempts,
+)
+
+# -- new jobs -------------------------------------------------------------
+
+#: Columns the single INSERT writes for a new job (the rest keep their defaults: NULL or 0).
+COPY_COLUMNS = ("id", "backend", "queue", "shard", "task_path", "args", "kwargs", "priority",
+                "state", "attempts", "generation", "max_attempts", "run_after", "enqueued_at",
+                "updated_at", "last_error")
+
+#: One new job, prepared once: building it with ``Model.save()`` cost about
+#: as much Python as the round trip itself.
+INSERT_JOB = (f"INSERT INTO {Job._meta.db_table} ({', '.join(COPY_COLUMNS)}) "
+              f"VALUES ({', '.join(['%s'] * len(COPY_COLUMNS))})")
+
+
+def row_values(job: Job) -> tuple[Any, ...]:
+    """A new job's values in COPY_COLUMNS order (JSON columns as JSON text)."""
+    return (job.id, job.backend, job.queue, job.shard, job.task_path,
+            json.dumps(job.args), json.dumps(job.kwargs), job.priority, job.state,
+            job.attempts, job.generation, job.max_attempts, job.run_after, job.enqueued_at,
+            job.updated_at, job.last_error)
+
+
+def insert_job(connection: BaseDatabaseWrapper, job: Job) -> None:
+    """INSERT_JOB for ``job``, in the caller's transaction."""
+    with connection.cursor() as cursor:
+        cursor.execute(INSERT_JOB, row_values(job))
+
+
+#: COPY's column order for NewJobs: a row's own values first, then the shared ones.
+NEW_JOB_COLUMNS = ("id", "shard", "args", "kwargs", "backend", "queue", "task_path",
+                   "priority", "state", "attempts", "generation", "max_attempts", "run_after",
+                   "enqueued_at", "updated_at", "last_error")
+COPY_NEW_JOBS = f"COPY {Job._meta.db_table} ({', '.join(NEW_JOB_COLUMNS)}) FROM STDIN"
+
+#: A backslash, and how COPY's text format spells one.
+BACKSLASH, ESCAPED = "\\", "\\\\"
+
+
+def _copy_text(value: object) -> str:
+    """``value`` as a field of COPY's text format (None is NULL)."""
+    if value is None:
+        return "\\N"
+    text = value.isoformat() if isinstance(value, datetime) else str(value)
+    return (text.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n")
+            .replace("\r", "\\r"))
+
+
+def insert_new_jobs(connection: BaseDatabaseWrapper, new: NewJobs) -> None:
+    """COPY_NEW_JOBS in its text format, the lines written by hand.
+
+    The shared columns are formatted once, and per row only the id, the
+    shard and two JSON texts are joined (psycopg's ``write_row`` spent more
+    per row formatting each value; COPY is the fastest way in, see
+    docs/prototype-performance.md). The JSON texts hold no tab, newline or
+    carriage return (the encoder escapes control characters), so a backslash
+    is the one character to escape.
+    """
+    shared = "\t".join(_copy_text(value) for value in (
+        new.backend, new.queue, new.task_path, new.priority, new.state, 0, 0,
+        new.max_attempts, new.run_after, new.enqueued_at, new.enqueued_at, ""))
+    with connection.cursor() as cursor, cursor.cursor.copy(COPY_NEW_JOBS) as copy:
+        rows = new.rows
+        for start in range(0, len(rows), 1000):
+            copy.write("".join([
+                f"{job_id}\t{shard}\t{args.replace(BACKSLASH, ESCAPED)}\t"
+                f"{kwargs.replace(BACKSLASH, ESCAPED)}\t{shared}\n"
+                for job_id, shard, args, kwargs in rows[start:start + 1000]
+            ]))
+
+
+# -- unique keys ----------------------------------------------------------
+
+UNIQUE_COLUMNS = (*COPY_COLUMNS, "unique_key")
+#: Rows per INSERT_UNIQUE (17 parameters each).
+UNIQUE_BATCH = 500
+
+#: The unfinished jobs holding some keys: a ready-made statement, as the plain
+#: INSERT is (the ORM built it each time, most of a duplicate enqueue's cost).
+KEY_HOLDERS = (f"SELECT * FROM {Job._meta.db_table} WHERE unique_key = ANY(%s) AND state IN ("
+               + ", ".join(f"'{state}'" for state in UNFINISHED_STATES) + ")")
+
+
+def key_holders(using: str, keys: Sequence[str]) -> Iterable[Job]:
+    """KEY_HOLDERS: a new statement, so under READ COMMITTED it sees the holder
+    whose commit the INSERT waited for (an INSERT ... RETURNING could not)."""
+    return Job.objects.using(using).raw(KEY_HOLDERS, [list(keys)])
+
+
+@lru_cache(maxsize=8)
+def insert_unique(rows: int) -> str:
+    """INSERT of ``rows`` new jobs with their keys, skipping those whose key is taken."""
+    row = "(" + ", ".join(["%s"] * len(UNIQUE_COLUMNS)) + ")"
+    return (f"INSERT INTO {Job._meta.db_table} ({', '.join(UNIQUE_COLUMNS)}) "
+            f"VALUES {', '.join([row] * rows)} ON CONFLICT DO NOTHING RETURNING id")
+
+
+def insert_ignoring_conflicts(connection: BaseDatabaseWrapper,
+                              jobs: Sequence[Job]) -> set[uuid.UUID]:
+    """INSERT ... ON CONFLICT DO NOTHING RETURNING id; the ids inserted."""
+    inserted: set[uuid.UUID] = set()
+    with connection.cursor() as cursor:
+        for chunk in chunks(jobs, UNIQUE_BATCH):
+            cursor.execute(insert_unique(len(chunk)), [
+                value for job in chunk for value in (*row_values(job), job.unique_key)])
+            inserted.update(pk for (pk,) in cursor.fetchall())
+    return inserted
+
+
+# -- worker and sweep batches --------------------------------------------
+
+_SEPARATOR = "\x1f"
+#: RAN_OUTCOMES as an SQL list.
+_RAN = "(" + ", ".join(f"'{outcome}'" for outcome in RAN_OUTCOMES) + ")"
+
+
+def _column(kind: str, *, nullable: bool = False) -> str:
+    """SQL for one joined column parameter: NULL for '' when ``nullable``.
+
+    The text starts with a separator whose empty first element is sliced
+    off: string_to_array('') is an empty array, not one empty string.
+    """
+    null = ", ''" if nullable else ""
+    return f"(string_to_array(%s, chr(31){null}))[2:]::{kind}[]"
+
+
+def _joined(values: Iterable[Any]) -> str:
+    """Join a column's values; None becomes '' (NULL in nullable columns)."""
+    return _SEPARATOR + _SEPARATOR.join(
+        "" if v is None else v.isoformat() if isinstance(v, datetime)
+        else str(v).replace(_SEPARATOR, " ") for v in values)
+
+
+#: Rule "lock order", and the half of "cancel wins" that finds the cancelled
+#: rows: locks every row of the batch, and returns the ids of those
+#: cancelled. The CTE is MATERIALIZED: a locking sub-SELECT locks only the
+#: rows it returns, and the planner could push "state = 'cancelled'" down
+#: into it, leaving the others unlocked (a cancel could then slip in between
+#: this and the writes).
+LOCK_JOBS = f"""
+WITH locked AS MATERIALIZED (
+    SELECT id, state FROM {Job._meta.db_table}
+    WHERE id = ANY({_column("uuid")}) ORDER BY id FOR NO KEY UPDATE)
+SELECT id FROM locked WHERE state = 'cancelled'
+"""
+
+#: Rules "generation fence" (EXISTS: the row is of the record's generation)
+#: and "outcomes final" (the CASEs: an outcome the attempt reached by
+#: running is final, and so is 'lease_expired', whose late result is only
+#: noted in its error; worker, start and traceback still fill in).
+UPSERT_ATTEMPTS = f"""
+INSERT INTO {Attempt._meta.db_table} AS a
+    (job_id, number, worker_id, started_at, finished_at, outcome, error, traceback)
+SELECT v.job_id, v.number, v.worker_id, v.started_at, v.finished_at, v.outcome, v.error,
+       v.traceback
+FROM unnest({_column("uuid")}, {_column("int")}, {_column("text")},
+            {_column("timestamptz", nullable=True)}, {_column("timestamptz", nullable=True)},
+            {_column("text")}, {_column("text")}, {_column("text")}, {_column("int")})
+     AS v(job_id, number, worker_id, started_at, finished_at, outcome, error, traceback, gen)
+WHERE EXISTS (SELECT 1 FROM {Job._meta.db_table} j WHERE j.id = v.job_id
+              AND j.generation = v.gen)
+ON CONFLICT (job_id, number) DO UPDATE SET
+    worker_id = COALESCE(NULLIF(EXCLUDED.worker_id, ''), a.worker_id),
+    started_at = COALESCE(a.started_at, EXCLUDED.started_at),
+    finished_at = CASE WHEN a.outcome IN {_RAN} THEN a.finished_at
+                       ELSE COALESCE(EXCLUDED.finished_at, a.finished_at) END,
+    outcome = CASE WHEN a.outcome IN {_RAN} THEN a.outcome
+                   WHEN a.outcome = 'lease_expired' THEN a.outcome
+                   ELSE COALESCE(NULLIF(EXCLUDED.outcome, ''), a.outcome) END,
+    error = CASE WHEN a.outcome IN {_RAN} THEN a.error
+                 WHEN a.outcome = 'lease_expired' AND EXCLUDED.outcome NOT IN ('', a.outcome)
+                 THEN a.error || '; the worker then finished this attempt late ('
+                      || EXCLUDED.outcome || ') and its result was discarded'
+                 ELSE COALESCE(NULLIF(EXCLUDED.error, ''), a.error) END,
+    traceback = COALESCE(NULLIF(EXCLUDED.traceback, ''), a.traceback)
+"""
+
+#: The WHERE clause, line by line: rule "generation fence" (same generation,
+#: attempt at least the row's), rule "cancel wins" (never a cancelled row),
+#: rule "ended stays ended" (a finished row moves only to a later success),
+#: rule "lost attempt" (the NOT EXISTS: a late result of an attempt recorded
+#: lease_expired does not move the job).
+UPDATE_JOBS = f"""
+UPDATE {Job._meta.db_table} AS j SET
+    state = v.state,
+    attempts = v.attempt,
+    started_at = COALESCE(j.started_at, v.started_at),
+    finished_at = CASE WHEN v.state IN ('succeeded', 'dead', 'cancelled')
+                       THEN COALESCE(v.finished_at, now()) ELSE j.finished_at END,
+    return_value = CASE WHEN v.state = 'succeeded' THEN v.return_value::jsonb
+                        ELSE j.return_value END,
+    last_error = COALESCE(NULLIF(v.error, ''), j.last_error),
+    run_after = COALESCE(v.retry_at, j.run_after),
+    updated_at = now()
+FROM unnest({_column("uuid")}, {_column("int")}, {_column("text")},
+            {_column("timestamptz", nullable=True)}, {_column("timestamptz", nullable=True)},
+            {_column("text", nullable=True)}, {_column("text")}, {_column("int")},
+            {_column("text")}, {_column("timestamptz", nullable=True)})
+     AS v(id, attempt, state, started_at, finished_at, return_value, error, gen, outcome,
+          retry_at)
+WHERE j.id = v.id AND j.generation = v.gen AND j.attempts <= v.attempt
+  AND j.state <> 'cancelled'
+  AND (j.state NOT IN ('succeeded', 'dead')
+       OR (v.state = 'succeeded' AND v.attempt > j.attempts))
+  AND (v.outcome = 'lease_expired' OR NOT EXISTS (
+       SELECT 1 FROM {Attempt._meta.db_table} a
+       WHERE a.job_id = v.id AND a.number = v.attempt AND a.outcome = 'lease_expired'))
+"""
+
+#: Rule "abandoned closed": an earlier attempt still open when a later one is
+#: written is closed as lease_expired, whatever the record's generation.
+CLOSE_ABANDONED = f"""
+UPDATE {Attempt._meta.db_table} AS a
+SET outcome = 'lease_expired', finished_at = now(), error = %s
+FROM unnest({_column("uuid")}, {_column("int")}) AS v(job_id, attempt)
+WHERE a.job_id = v.job_id AND a.number < v.attempt AND a.outcome = ''
+"""
+
+
+def write_batch(using: str, merged: Sequence[AttemptRecord],
+                newest: dict[str, AttemptRecord]) -> None:
+    """Write one batch in one transaction: ``merged`` into the history, ``newest`` onto the jobs."""
+    with transaction.atomic(using=using), connections[using].cursor() as cursor:
+        # Rows first, in id order, as every other writer locks them: a
+        # sweep expiring one of these attempts holds its row, and an
+        # attempt INSERT that reserved its key before waiting for that row
+        # would deadlock with the sweep's own record of the attempt.
+        cursor.execute(LOCK_JOBS, [_joined(sorted(newest))])
+        mark_cancelled_attempts(merged, {str(row[0]) for row in cursor.fetchall()})
+        _write_attempts(cursor, merged)
+        stop_point("in_mirror_transaction")
+        _write_jobs(cursor, list(newest.values()))
+        retried = [r for r in newest.values() if r.attempt > 1]
+        if retried:
+            cursor.execute(CLOSE_ABANDONED, [ABANDONED_ERROR,
+                                             _joined(r.job_id for r in retried),
+                                             _joined(r.attempt for r in retried)])
+
+
+def _write_attempts(cursor: CursorWrapper, rows: Sequence[AttemptRecord]) -> None:
+    cursor.execute(UPSERT_ATTEMPTS, [
+        _joined(r.job_id for r in rows), _joined(r.attempt for r in rows),
+        _joined(r.worker_id for r in rows), _joined(r.started_at for r in rows),
+        _joined(r.finished_at for r in rows), _joined(r.outcome for r in rows),
+        _joined(r.error for r in rows), _joined(r.traceback for r in rows),
+        _joined(r.gen for r in rows),
+    ])
+
+
+def _write_jobs(cursor: CursorWrapper, rows: Sequence[AttemptRecord]) -> None:
+    cursor.execute(UPDATE_JOBS, [
+        _joined(r.job_id for r in rows), _joined(r.attempt for r in rows),
+        _joined(r.job_state for r in rows), _joined(r.started_at for r in rows),
+        _joined(r.finished_at for r in rows),
+        # JSON text never holds a raw U+001F (json.dumps escapes control characters).
+        _joined(None if r.return_value is None else json.dumps(r.return_value) for r in rows),
+        _joined(r.error for r in rows), _joined(r.gen for r in rows),
+        _joined(r.outcome for r in rows), _joined(r.retry_at for r in rows),
+    ])

@@ -1,0 +1,109 @@
+"""What recovery reads from the mirror (the sweep's reconcile and recover, staff rebuilds).
+
+Reads only, except that they lock: a row another transaction holds is
+skipped, never waited for, and the next pass sees what that transaction
+did. The writes recovery makes go through the package's write API.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db import connections
+from django.db.models import Max
+from django.utils import timezone
+
+from ..models import UNFINISHED_STATES, Attempt, Job
+from .records import is_uuid
+
+
+def grace_cutoff(using: str, grace_ms: int) -> datetime:
+    """Now minus ``grace_ms`` on the database's clock (on PostgreSQL), the clock
+    that stamps ``updated_at`` in the worker's writes: a worker whose own clock
+    runs ahead cannot make a healthy job look old."""
+    if connections[using].vendor == "postgresql":
+        with connections[using].cursor() as cursor:
+            cursor.execute("SELECT now()")
+            now: datetime = cursor.fetchone()[0]
+    else:
+        now = timezone.now()
+    return now - timedelta(milliseconds=grace_ms)
+
+
+def reconcile_candidates(
+    using: str, *, backend: str, older_than: datetime, after_id: str | None, limit: int
+) -> list[Job]:
+    """Unfinished jobs untouched since ``older_than``, in id order after ``after_id``."""
+    rows = Job.objects.using(using).filter(
+        backend=backend, state__in=UNFINISHED_STATES, updated_at__lt=older_than
+    )
+    if after_id is not None:
+        rows = rows.filter(pk__gt=after_id)
+    return list(rows.order_by("pk")[:limit])
+
+
+@dataclass(frozen=True, slots=True)
+class RowState:
+    """What the mirror says of a job, as recovery needs it."""
+
+    state: str
+    attempts: int
+    generation: int
+    last_error: str
+
+
+#: The row exists, but another transaction holds it (see lock_for_recovery).
+LOCKED_ELSEWHERE = RowState("", -1, -1, "")
+
+
+def lock_for_recovery(using: str, job_ids: Sequence[str]) -> dict[str, RowState]:
+    """Lock the rows of ``job_ids`` for the caller's transaction; say what each holds.
+
+    A row another transaction holds (a worker writing its outcome, a staff
+    action, another sweep) maps to LOCKED_ELSEWHERE: it is not waited for,
+    the next pass sees what that transaction did. An id with no row (a job
+    pushed into Redis by hand) is missing from the result.
+    """
+    ids = [job_id for job_id in job_ids if is_uuid(job_id)]
+    jobs = Job.objects.using(using)
+    locked = {str(pk): RowState(state, attempts, generation, error)
+              for pk, state, attempts, generation, error in
+              jobs.select_for_update(skip_locked=True).filter(pk__in=ids).values_list(
+                  "pk", "state", "attempts", "generation", "last_error")}
+    existing = {str(pk) for pk in jobs.filter(pk__in=ids).values_list("pk", flat=True)}
+    return {**dict.fromkeys(existing - set(locked), LOCKED_ELSEWHERE), **locked}
+
+
+def lock_unfinished(using: str, job_ids: Sequence[Any], *, older_than: datetime) -> list[Job]:
+    """Lock, of ``job_ids``, the rows still unfinished and untouched since ``older_than``.
+
+    For the caller's transaction. Rows another transaction holds (a staff
+    action, another reconciler, a worker's mirror write) are skipped, not
+    waited for: whoever holds them is acting on the job right now, and the
+    next pass sees what it did.
+    """
+    if not job_ids:
+        return []
+    return list(Job.objects.using(using).select_for_update(skip_locked=True).filter(
+        pk__in=job_ids, state__in=UNFINISHED_STATES, updated_at__lt=older_than))
+
+
+def next_generation(using: str, rows: Sequence[Job]) -> None:
+    """Give locked rows the generation and attempt count of their rebuild, in place.
+
+    The generation goes up by one, so every token handed out before the
+    rebuild is refused after it; attempts become the highest attempt the
+    history holds, so attempt numbers keep counting and never repeat.
+    :func:`reliable_jobs.mirror.mark_rebuilt` (or a staff write) then
+    writes them.
+    """
+    if not rows:
+        return
+    highest = dict(Attempt.objects.using(using).filter(job_id__in=[row.pk for row in rows])
+                   .values("job_id").annotate(top=Max("number")).values_list("job_id", "top"))
+    for row in rows:
+        row.generation += 1
+        row.attempts = max(row.attempts, highest.get(row.pk) or 0)
