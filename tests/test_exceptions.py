@@ -40,7 +40,8 @@ def recorded_paths() -> dict[str, list[str]]:
 def test_every_recorded_error_path_names_an_exception_class() -> None:
     # Given: the paths written in the package's sources
     paths = recorded_paths()
-    assert "reliable_jobs.exceptions.AttemptsExhausted" in paths  # the scan finds them
+    # (the scan would catch the paths the app writes, were one typed by hand)
+    assert PATH_RE.fullmatch(exceptions.class_path(exceptions.AttemptsExhausted))
 
     # Then: each imports, as TaskError.exception_class will, to an exception class
     for path, files in paths.items():
@@ -49,6 +50,21 @@ def test_every_recorded_error_path_names_an_exception_class() -> None:
         except ImportError:
             pytest.fail(f"{path} (written in {', '.join(sorted(set(files)))}) does not import.")
         assert isinstance(found, type) and issubclass(found, BaseException), path
+
+
+def test_no_script_or_module_types_an_exception_path_by_hand() -> None:
+    # Given every Lua script and Python module of the package, exceptions.py aside
+    for source in sorted([*PACKAGE.rglob("*.py"), *PACKAGE.rglob("*.lua")]):
+        if source.name == "exceptions.py":
+            continue
+        text = source.read_text(encoding="utf-8")
+        for match in PATH_RE.finditer(text):
+            # Then a path appears only as a docstring's class reference; the
+            # paths written into errors come from class_path (scripts get them
+            # as ARGV from the broker)
+            assert text[max(0, match.start() - 1)] in "~`", (
+                f"{source.relative_to(PACKAGE)} types {match.group(0)} by hand; "
+                "build it with exceptions.class_path().")
 
 
 def test_class_path_is_the_importable_dotted_path() -> None:

@@ -73,3 +73,31 @@ def test_the_include_line_is_replaced_by_the_helper_text() -> None:
     assert spliced.startswith("local a = 1\n")
     assert "local function now_ms()" in spliced
     assert spliced.endswith("\nreturn a\n")
+
+
+#: Text that only a shared helper may spell: the snippet, and the include
+#: that owns it. A script that writes one itself has a copy that can drift.
+SHARED_SNIPPETS = {
+    "redis.call('TIME')": "server_clock",
+    "RPUSH', wake_key": "wake_marker",
+    "local function count_of": "count_of",
+    "job[1] == 'running' and job[2] ==": "fence",
+    "local function band_of": "band_of",
+}
+
+
+def test_no_script_spells_a_shared_snippet_itself() -> None:
+    # Given the raw text of every script, before the includes are spliced in
+    for name in scripts.SCRIPT_NAMES:
+        text = resources.files(scripts).joinpath(f"{name}.lua").read_text(encoding="utf-8")
+        for snippet, helper in SHARED_SNIPPETS.items():
+            # Then none writes a shared helper's snippet: it includes the helper
+            assert snippet not in text, (
+                f'{name}.lua spells {snippet!r}; use --- @include "{helper}"')
+
+
+def test_each_shared_snippet_is_spelled_by_its_include() -> None:
+    # The snippets above must be real text of their includes, or the test
+    # before would pass against nothing.
+    for snippet, helper in SHARED_SNIPPETS.items():
+        assert snippet in scripts.include_source(helper), helper

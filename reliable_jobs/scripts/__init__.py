@@ -6,8 +6,8 @@ redis-py's ``register_script`` sends ``EVALSHA`` and reloads the source on
 A line ``--- @include "name"`` in a script is replaced by the text of
 ``include/<name>.lua`` when the source is read (as BullMQ splices its
 ``--- @include`` files): the wake-marker push, the fencing test, the clock
-read and the counter clamp are written once, and each operation is still one
-script with one SHA and its own header.
+read and the counter and priority clamps are written once, and each
+operation is still one script with one SHA and its own header.
 """
 
 from __future__ import annotations

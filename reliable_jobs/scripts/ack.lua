@@ -32,6 +32,8 @@ local processing_key = KEYS[1]
 local leases_key = KEYS[2]
 local job_prefix = KEYS[3]
 
+--- @include "fence"
+
 local tombstone_ms = tonumber(ARGV[1])
 if tombstone_ms == nil or tombstone_ms ~= math.floor(tombstone_ms) or tombstone_ms < 1
     or tombstone_ms > 4503599627370496 then
@@ -44,7 +46,7 @@ for i = 2, #ARGV, 3 do
   local job_key = job_prefix .. job_id
   local job = redis.call('HMGET', job_key, 'state', 'attempts', 'gen', 'cancel')
   local gen = job[3] or '0'
-  if job[1] == 'running' and job[2] == ARGV[i + 1] and gen == ARGV[i + 2] then
+  if holds(job, ARGV[i + 1], ARGV[i + 2]) then
     -- The tail holds the oldest claims, which a lone worker acks first; with
     -- many workers this walks past every older unacked id (O(in flight),
     -- see bench/README.md: the fix is the leases zset as the in-flight index).

@@ -27,7 +27,10 @@
                     waited longest (the oldest enqueued_ms at the head of a
                     band, the lower priority on a tie) whatever its
                     priority, so no band starves
-                    (optional, 0 when absent)
+  ARGV[5] exhausted_class  the class path that opens the error of a job
+                    buried with no attempt left (the broker passes
+                    exceptions.class_path(AttemptsExhausted), so the path
+                    always names a class that exists)
 
   Priorities: queued holds the jobs of priority 0, each other priority p
   (-100..100) has its own list KEYS[9] .. p, listed in bands while it is not
@@ -73,8 +76,8 @@
     banded   how many non-zero bands were in use when the claim began (0:
              only priority 0 was waiting; a worker that never saw more
              waits on this queue alone with BLMOVE)
-  Errors: count, lease_ms or share_every not a whole number from 0 to 2^52
-  (nothing is written).
+  Errors: count, lease_ms or share_every not a whole number from 0 to 2^52,
+  or exhausted_class not a dotted path (nothing is written).
 ]]
 local queued_key = KEYS[1]
 local processing_key = KEYS[2]
@@ -88,6 +91,8 @@ local band_prefix = KEYS[9]
 local share_key = KEYS[10]
 local strays_key = KEYS[11]
 
+--- @include "wake_marker"
+
 -- A whole number from ARGV, or an error reply before anything is written.
 local function whole(value, name)
   local n = tonumber(value)
@@ -98,15 +103,7 @@ local function whole(value, name)
   return n
 end
 
--- A counter read from a job hash, clamped to the mirror's integer range.
-local MAX_COUNT = 2147483647
-local function count_of(value, lowest)
-  local n = tonumber(value)
-  if n == nil or n ~= n then
-    return lowest
-  end
-  return math.max(lowest, math.min(MAX_COUNT, math.floor(n)))
-end
+--- @include "count_of"
 
 local KNOWN_STATES = {
   queued = true, running = true, scheduled = true, dead = true, finished = true, cancelled = true
@@ -115,17 +112,13 @@ local KNOWN_STATES = {
 local count = whole(ARGV[1], 'count')
 local lease_ms = whole(ARGV[2], 'lease_ms')
 local moved_id = ARGV[3] or ''
-local share_every = whole(ARGV[4] or 0, 'share_every')
-
--- A job's priority as its hash holds it: a whole number from -100 to 100,
--- 0 when absent (enqueue.lua writes it only when it is not 0) or damaged.
-local function band_of(value)
-  local n = tonumber(value)
-  if n == nil or n ~= n then
-    return 0
-  end
-  return math.max(-100, math.min(100, math.floor(n)))
+local share_every = whole(ARGV[4], 'share_every')
+local exhausted_class = ARGV[5]
+if type(exhausted_class) ~= 'string' or not string.match(exhausted_class, '^[%a_][%w_.]*$') then
+  return redis.error_reply('ERR claim: exhausted_class must be a dotted class path')
 end
+
+--- @include "band_of"
 
 -- A copy of an id that reprioritize.lua left behind: take one off the
 -- id's count in strays; false when strays counts none.
@@ -142,9 +135,10 @@ local function consume_stray(job_id)
   return true
 end
 
-local clock = redis.call('TIME')
-local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-local deadline_ms = now_ms + lease_ms
+--- @include "server_clock"
+
+local now = now_ms()
+local deadline_ms = now + lease_ms
 
 local ids = {}
 -- The band each id was taken from (by index in ids; absent: 0).
@@ -270,7 +264,7 @@ for index, job_id in ipairs(ids) do
     -- reconcile pushes it again once its hash is gone.
     redis.call('LREM', processing_key, 1, job_id)
     redis.call('DEL', job_key)
-    redis.call('ZADD', dead_key, now_ms, job_id)
+    redis.call('ZADD', dead_key, now, job_id)
     garbage[#garbage + 1] = job_id
   elseif job[1] == 'cancelled' then
     redis.call('LREM', processing_key, 1, job_id)
@@ -288,9 +282,9 @@ for index, job_id in ipairs(ids) do
     local max_attempts = count_of(job[3], 1)
     if attempts >= max_attempts then
       redis.call('LREM', processing_key, 1, job_id)
-      redis.call('ZADD', dead_key, now_ms, job_id)
-      redis.call('HSET', job_key, 'state', 'dead', 'finished_ms', now_ms, 'last_error',
-        'reliable_jobs.exceptions.AttemptsExhausted: claimed ' .. attempts .. ' of ' .. max_attempts ..
+      redis.call('ZADD', dead_key, now, job_id)
+      redis.call('HSET', job_key, 'state', 'dead', 'finished_ms', now, 'last_error',
+        exhausted_class .. ': claimed ' .. attempts .. ' of ' .. max_attempts ..
         ' times without finishing (worker lost or lease expired)')
       dead[#dead + 1] = job_id
       dead[#dead + 1] = attempts
@@ -298,7 +292,7 @@ for index, job_id in ipairs(ids) do
     else
       attempts = attempts + 1
       redis.call('HSET', job_key, 'state', 'running', 'attempts', attempts, 'gen', gen,
-        'started_ms', now_ms)
+        'started_ms', now)
       lease_args[#lease_args + 1] = deadline_ms
       lease_args[#lease_args + 1] = job_id
       jobs[#jobs + 1] = job_id
@@ -307,7 +301,7 @@ for index, job_id in ipairs(ids) do
       jobs[#jobs + 1] = job[4] or ''
       jobs[#jobs + 1] = gen
       local ready_ms = tonumber(job[6]) or tonumber(job[7])
-      jobs[#jobs + 1] = ready_ms and math.max(0, now_ms - ready_ms) or -1
+      jobs[#jobs + 1] = ready_ms and math.max(0, now - ready_ms) or -1
     end
   end
 end
@@ -328,7 +322,7 @@ elseif banded > 0 then
     remaining = remaining + redis.call('LLEN', band_prefix .. member)
   end
 end
-if remaining > 0 and redis.call('LLEN', wake_key) == 0 then
-  redis.call('RPUSH', wake_key, '1')
+if remaining > 0 then
+  push_wake_marker(wake_key)
 end
 return { jobs, dead, garbage, remaining, banded }

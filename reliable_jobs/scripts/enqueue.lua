@@ -41,6 +41,8 @@ local job_prefix = KEYS[4]
 local bands_key = KEYS[5]
 local band_prefix = KEYS[6]
 
+--- @include "wake_marker"
+
 if #ARGV % 7 ~= 0 then
   return redis.error_reply('ERR enqueue: ARGV must come in groups of seven '
     .. '(id, payload, max_attempts, due_ms, attempts, gen, priority)')
@@ -61,8 +63,9 @@ for i = 6, #ARGV, 7 do
   end
 end
 
-local clock = redis.call('TIME')
-local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+--- @include "server_clock"
+
+local now = now_ms()
 
 local written = {}
 local ready = {}
@@ -81,7 +84,7 @@ for i = 1, #ARGV, 7 do
     local due_ms = tonumber(ARGV[i + 3]) or 0
     local priority = tonumber(ARGV[i + 6])
     local state = 'queued'
-    if due_ms > now_ms then
+    if due_ms > now then
       state = 'scheduled'
       redis.call('ZADD', scheduled_key, due_ms, job_id)
     elseif priority == 0 then
@@ -93,7 +96,7 @@ for i = 1, #ARGV, 7 do
     end
     redis.call('HSET', job_key, 'state', state, 'payload', ARGV[i + 1],
       'max_attempts', ARGV[i + 2], 'attempts', ARGV[i + 4], 'gen', ARGV[i + 5],
-      'enqueued_ms', now_ms)
+      'enqueued_ms', now)
     if priority ~= 0 then
       redis.call('HSET', job_key, 'priority', priority)
     end
@@ -107,7 +110,7 @@ end
 for i = 1, #ready, 1000 do
   redis.call('LPUSH', queued_key, unpack(ready, i, math.min(i + 999, #ready)))
 end
-if #ready + banded > 0 and redis.call('LLEN', wake_key) == 0 then
-  redis.call('RPUSH', wake_key, '1')
+if #ready + banded > 0 then
+  push_wake_marker(wake_key)
 end
 return written

@@ -24,20 +24,22 @@
 local leases_key = KEYS[1]
 local job_prefix = KEYS[2]
 
-local clock = redis.call('TIME')
-local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+--- @include "fence"
+--- @include "server_clock"
+
+local now = now_ms()
 local lease_ms = tonumber(ARGV[1])
 if lease_ms == nil or lease_ms ~= math.floor(lease_ms) or lease_ms < 0
     or lease_ms > 4503599627370496 then
   return redis.error_reply('ERR extend: lease_ms must be a whole number from 0 to 2^52')
 end
-local deadline_ms = now_ms + lease_ms
+local deadline_ms = now + lease_ms
 
 local results = {}
 for i = 2, #ARGV, 3 do
   local job_id = ARGV[i]
   local job = redis.call('HMGET', job_prefix .. job_id, 'state', 'attempts', 'gen', 'cancel')
-  if job[1] == 'running' and job[2] == ARGV[i + 1] and (job[3] or '0') == ARGV[i + 2]
+  if holds(job, ARGV[i + 1], ARGV[i + 2])
       and redis.call('ZSCORE', leases_key, job_id) then
     redis.call('ZADD', leases_key, deadline_ms, job_id)
     if job[4] then

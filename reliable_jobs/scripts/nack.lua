@@ -43,15 +43,10 @@ local job_prefix = KEYS[7]
 local bands_key = KEYS[8]
 local band_prefix = KEYS[9]
 
--- A job's priority as its hash holds it: a whole number from -100 to 100,
--- 0 when absent (enqueue.lua writes it only when it is not 0) or damaged.
-local function band_of(value)
-  local n = tonumber(value)
-  if n == nil or n ~= n then
-    return 0
-  end
-  return math.max(-100, math.min(100, math.floor(n)))
-end
+--- @include "wake_marker"
+--- @include "fence"
+
+--- @include "band_of"
 
 -- Put an id on the left of (behind the jobs waiting in) the list of its
 -- priority band: queued itself for 0, else band_prefix .. priority.
@@ -81,8 +76,9 @@ end
 -- How long a cancelled job's tombstone lives (broker.TOMBSTONE_MS).
 local CANCELLED_TOMBSTONE_MS = 3600000
 
-local clock = redis.call('TIME')
-local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+--- @include "server_clock"
+
+local now = now_ms()
 
 local results = {}
 local queued_now = 0
@@ -92,7 +88,7 @@ for i = 1, #ARGV, 5 do
   local delay_ms = delay_of(ARGV[i + 3])
   local error_text = ARGV[i + 4]
   local job = redis.call('HMGET', job_key, 'state', 'attempts', 'gen', 'cancel', 'priority')
-  if job[1] == 'running' and job[2] == ARGV[i + 1] and (job[3] or '0') == ARGV[i + 2] then
+  if holds(job, ARGV[i + 1], ARGV[i + 2]) then
     redis.call('LREM', processing_key, -1, job_id)
     redis.call('ZREM', leases_key, job_id)
     if job[4] then
@@ -100,14 +96,14 @@ for i = 1, #ARGV, 5 do
       redis.call('HSET', job_key, 'state', 'cancelled', 'gen', job[3] or '0')
       redis.call('PEXPIRE', job_key, CANCELLED_TOMBSTONE_MS)
     elseif delay_ms < 0 then
-      redis.call('ZADD', dead_key, now_ms, job_id)
-      redis.call('HSET', job_key, 'state', 'dead', 'finished_ms', now_ms, 'last_error', error_text)
+      redis.call('ZADD', dead_key, now, job_id)
+      redis.call('HSET', job_key, 'state', 'dead', 'finished_ms', now, 'last_error', error_text)
     elseif delay_ms == 0 then
       push_band(job_id, band_of(job[5]))
       redis.call('HSET', job_key, 'state', 'queued', 'last_error', error_text)
       queued_now = queued_now + 1
     else
-      redis.call('ZADD', scheduled_key, now_ms + delay_ms, job_id)
+      redis.call('ZADD', scheduled_key, now + delay_ms, job_id)
       redis.call('HSET', job_key, 'state', 'scheduled', 'last_error', error_text)
     end
     results[#results + 1] = job[4] and 2 or 1
@@ -115,7 +111,7 @@ for i = 1, #ARGV, 5 do
     results[#results + 1] = 0
   end
 end
-if queued_now > 0 and redis.call('LLEN', wake_key) == 0 then
-  redis.call('RPUSH', wake_key, '1')
+if queued_now > 0 then
+  push_wake_marker(wake_key)
 end
 return results

@@ -28,15 +28,9 @@ local job_prefix = KEYS[4]
 local bands_key = KEYS[5]
 local band_prefix = KEYS[6]
 
--- A job's priority as its hash holds it: a whole number from -100 to 100,
--- 0 when absent (enqueue.lua writes it only when it is not 0) or damaged.
-local function band_of(value)
-  local n = tonumber(value)
-  if n == nil or n ~= n then
-    return 0
-  end
-  return math.max(-100, math.min(100, math.floor(n)))
-end
+--- @include "wake_marker"
+
+--- @include "band_of"
 
 -- Put an id on the left of (behind the jobs waiting in) the list of its
 -- priority band: queued itself for 0, else band_prefix .. priority.
@@ -49,14 +43,15 @@ local function push_band(job_id, priority)
   end
 end
 
-local clock = redis.call('TIME')
-local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+--- @include "server_clock"
+
+local now = now_ms()
 
 local KNOWN_STATES = {
   queued = true, running = true, scheduled = true, dead = true, finished = true, cancelled = true
 }
 
-local due = redis.call('ZRANGEBYSCORE', scheduled_key, '-inf', now_ms, 'LIMIT', 0, tonumber(ARGV[1]))
+local due = redis.call('ZRANGEBYSCORE', scheduled_key, '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))
 local ready = {}
 local banded = 0
 for _, job_id in ipairs(due) do
@@ -65,7 +60,7 @@ for _, job_id in ipairs(due) do
   local found = redis.call('HMGET', job_key, 'state', 'priority')
   local state = found[1]
   if state == 'scheduled' then
-    redis.call('HSET', job_key, 'state', 'queued', 'ready_ms', now_ms)
+    redis.call('HSET', job_key, 'state', 'queued', 'ready_ms', now)
     local priority = band_of(found[2])
     if priority == 0 then
       ready[#ready + 1] = job_id
@@ -80,7 +75,7 @@ end
 for i = 1, #ready, 1000 do
   redis.call('LPUSH', queued_key, unpack(ready, i, math.min(i + 999, #ready)))
 end
-if #ready + banded > 0 and redis.call('LLEN', wake_key) == 0 then
-  redis.call('RPUSH', wake_key, '1')
+if #ready + banded > 0 then
+  push_wake_marker(wake_key)
 end
 return #ready + banded

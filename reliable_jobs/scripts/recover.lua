@@ -19,7 +19,11 @@
   ARGV[4] settle_count  how many settle groups follow
   ARGV[5] started       'all': act on every expired started attempt;
                         'listed': only on those listed after the groups
-  ARGV[6..]             settle_count groups of five, the attempts to settle:
+  ARGV[6] expired_class the class path that opens the error of a job buried
+                        because its lease expired with no attempt left (the
+                        broker passes exceptions.class_path(LeaseExpired), so
+                        the path always names a class that exists)
+  ARGV[7..]             settle_count groups of five, the attempts to settle:
                         id, attempt, gen, final ('succeeded', 'dead' or
                         'cancelled'), error; then triples id, attempt, gen: the started
                         attempts the caller lets this call requeue or bury
@@ -82,8 +86,8 @@
               that lives elsewhere)
     stamped   how many orphans got a first lease
   Errors: limit, lease_ms, tombstone_ms or settle_count not a whole number
-  from 0 to 2^52, or the
-  settle groups not in fives (nothing is written).
+  from 0 to 2^52, expired_class not a dotted path, or the settle groups not
+  in fives (nothing is written).
 ]]
 local queued_key = KEYS[1]
 local processing_key = KEYS[2]
@@ -97,15 +101,10 @@ local bands_key = KEYS[9]
 local band_prefix = KEYS[10]
 local strays_key = KEYS[11]
 
--- A job's priority as its hash holds it: a whole number from -100 to 100,
--- 0 when absent (enqueue.lua writes it only when it is not 0) or damaged.
-local function band_of(value)
-  local n = tonumber(value)
-  if n == nil or n ~= n then
-    return 0
-  end
-  return math.max(-100, math.min(100, math.floor(n)))
-end
+--- @include "wake_marker"
+--- @include "fence"
+
+--- @include "band_of"
 
 -- A copy of an id that reprioritize.lua left behind: take one off the
 -- id's count in strays; false when strays counts none.
@@ -146,15 +145,7 @@ local function whole(value, name)
   return n
 end
 
--- A counter read from a job hash, clamped to the mirror's integer range.
-local MAX_COUNT = 2147483647
-local function count_of(value, lowest)
-  local n = tonumber(value)
-  if n == nil or n ~= n then
-    return lowest
-  end
-  return math.max(lowest, math.min(MAX_COUNT, math.floor(n)))
-end
+--- @include "count_of"
 
 local KNOWN_STATES = {
   queued = true, running = true, scheduled = true, dead = true, finished = true, cancelled = true
@@ -165,15 +156,21 @@ local lease_ms = whole(ARGV[2], 'lease_ms')
 local tombstone_ms = math.max(1, whole(ARGV[3], 'tombstone_ms'))
 local settle_count = whole(ARGV[4], 'settle_count')
 local started_mode = ARGV[5]
-local listed_from = 6 + 5 * settle_count
+local expired_class = ARGV[6]
+if type(expired_class) ~= 'string' or not string.match(expired_class, '^[%a_][%w_.]*$') then
+  error({ err = 'ERR recover: expired_class must be a dotted class path' })
+end
+local listed_from = 7 + 5 * settle_count
 if (started_mode ~= 'all' and started_mode ~= 'listed') or #ARGV < listed_from - 1
     or (#ARGV - listed_from + 1) % 3 ~= 0 then
   error({ err = 'ERR recover: expected settle_count groups of five (id, attempt, gen, final, '
-    .. 'error), then triples (id, attempt, gen), after started = all or listed' })
+    .. 'error), then triples (id, attempt, gen), after started = all or listed and the '
+    .. 'expired class' })
 end
 
-local clock = redis.call('TIME')
-local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+--- @include "server_clock"
+
+local now = now_ms()
 
 -- The started attempts this call may requeue or bury: id -> 'attempt:gen'.
 local allowed = {}
@@ -192,14 +189,14 @@ local function report(job_id, attempts, max_attempts, kind, gen)
   outcomes[#outcomes + 1] = gen
 end
 
-for i = 6, listed_from - 1, 5 do
+for i = 7, listed_from - 1, 5 do
   local job_id, final = ARGV[i], ARGV[i + 3]
   local job_key = job_prefix .. job_id
   local job = redis.call('HMGET', job_key, 'state', 'attempts', 'gen', 'max_attempts')
   local gen = job[3] or '0'
   local deadline = tonumber(redis.call('ZSCORE', leases_key, job_id))
-  if job[1] == 'running' and job[2] == ARGV[i + 1] and gen == ARGV[i + 2]
-      and deadline and deadline <= now_ms
+  if holds(job, ARGV[i + 1], ARGV[i + 2])
+      and deadline and deadline <= now
       and (final == 'succeeded' or final == 'dead' or final == 'cancelled') then
     redis.call('ZREM', leases_key, job_id)
     redis.call('LREM', processing_key, -1, job_id)
@@ -208,8 +205,8 @@ for i = 6, listed_from - 1, 5 do
       redis.call('HSET', job_key, 'state', 'cancelled', 'gen', gen)
       redis.call('PEXPIRE', job_key, tombstone_ms)
     elseif final == 'dead' then
-      redis.call('ZADD', dead_key, now_ms, job_id)
-      redis.call('HSET', job_key, 'state', 'dead', 'finished_ms', now_ms,
+      redis.call('ZADD', dead_key, now, job_id)
+      redis.call('HSET', job_key, 'state', 'dead', 'finished_ms', now,
         'last_error', ARGV[i + 4])
     elseif gen == '0' then
       redis.call('DEL', job_key)
@@ -233,7 +230,7 @@ local function held_back(job_id)
   return allowed[job_id] ~= job[2] .. ':' .. (job[4] or '0')
 end
 
-local expired = redis.call('ZRANGEBYSCORE', leases_key, '-inf', now_ms, 'LIMIT', 0, limit)
+local expired = redis.call('ZRANGEBYSCORE', leases_key, '-inf', now, 'LIMIT', 0, limit)
 for _, job_id in ipairs(expired) do
   if not held_back(job_id) then
     redis.call('ZREM', leases_key, job_id)
@@ -252,7 +249,7 @@ for _, job_id in ipairs(expired) do
       elseif not KNOWN_STATES[job[1]] then
         kind = 'garbage'
         redis.call('DEL', job_key)
-        redis.call('ZADD', dead_key, now_ms, job_id)
+        redis.call('ZADD', dead_key, now, job_id)
       elseif job[1] == 'running' and job[6] then
         kind = 'cancelled'
         redis.call('DEL', job_key)
@@ -266,9 +263,9 @@ for _, job_id in ipairs(expired) do
         requeued = requeued + 1
       elseif job[1] == 'running' and attempts >= max_attempts then
         kind = 'dead'
-        redis.call('ZADD', dead_key, now_ms, job_id)
-        redis.call('HSET', job_key, 'state', 'dead', 'finished_ms', now_ms, 'last_error',
-          'reliable_jobs.exceptions.LeaseExpired: the lease of attempt ' .. attempts
+        redis.call('ZADD', dead_key, now, job_id)
+        redis.call('HSET', job_key, 'state', 'dead', 'finished_ms', now, 'last_error',
+          expired_class .. ': the lease of attempt ' .. attempts
           .. ' of ' .. max_attempts .. ' expired (worker lost or stalled) and no attempt is left')
       elseif job[1] == 'running' or job[1] == 'queued' then
         if job[1] == 'running' then kind = 'expired' else kind = 'orphan' end
@@ -289,7 +286,7 @@ end
 local stamped = 0
 if limit > 0 then
   for _, job_id in ipairs(redis.call('LRANGE', landing_key, 0, limit - 1)) do
-    stamped = stamped + redis.call('ZADD', leases_key, 'NX', now_ms + lease_ms, job_id)
+    stamped = stamped + redis.call('ZADD', leases_key, 'NX', now + lease_ms, job_id)
   end
   -- Every id on processing has a lease (claim.lua stamps it in the same
   -- step), unless someone wrote there by hand or a script failed half-way.
@@ -298,7 +295,7 @@ if limit > 0 then
   local cursor = tonumber(redis.call('GET', scan_key)) or 0
   local slice = redis.call('LRANGE', processing_key, cursor, cursor + SCAN_SLICE - 1)
   for _, job_id in ipairs(slice) do
-    stamped = stamped + redis.call('ZADD', leases_key, 'NX', now_ms + lease_ms, job_id)
+    stamped = stamped + redis.call('ZADD', leases_key, 'NX', now + lease_ms, job_id)
   end
   if #slice < SCAN_SLICE then
     cursor = 0
@@ -308,7 +305,7 @@ if limit > 0 then
   redis.call('SET', scan_key, cursor)
 end
 
-if requeued > 0 and redis.call('LLEN', wake_key) == 0 then
-  redis.call('RPUSH', wake_key, '1')
+if requeued > 0 then
+  push_wake_marker(wake_key)
 end
 return { outcomes, stamped }

@@ -36,15 +36,10 @@ local job_prefix = KEYS[5]
 local bands_key = KEYS[6]
 local band_prefix = KEYS[7]
 
--- A job's priority as its hash holds it: a whole number from -100 to 100,
--- 0 when absent (enqueue.lua writes it only when it is not 0) or damaged.
-local function band_of(value)
-  local n = tonumber(value)
-  if n == nil or n ~= n then
-    return 0
-  end
-  return math.max(-100, math.min(100, math.floor(n)))
-end
+--- @include "wake_marker"
+--- @include "fence"
+
+--- @include "band_of"
 
 -- Put an id on the right of (to run next in) the list of its
 -- priority band: queued itself for 0, else band_prefix .. priority.
@@ -62,17 +57,10 @@ if #ARGV % 4 ~= 0 then
     'ERR release: ARGV must come in groups of four (id, attempt, gen, started)')
 end
 
--- max_attempts read from a job hash, clamped to the mirror's integer range.
--- (Not HINCRBY: on a damaged value it would fail half-way through this
--- script, leaving the job off every list.)
-local MAX_COUNT = 2147483647
-local function count_of(value, lowest)
-  local n = tonumber(value)
-  if n == nil or n ~= n then
-    return lowest
-  end
-  return math.max(lowest, math.min(MAX_COUNT, math.floor(n)))
-end
+-- max_attempts is read with count_of, not HINCRBY: on a damaged value
+-- HINCRBY would fail half-way through this script, leaving the job off
+-- every list.
+--- @include "count_of"
 
 -- How long a cancelled job's tombstone lives (broker.TOMBSTONE_MS).
 local CANCELLED_TOMBSTONE_MS = 3600000
@@ -83,7 +71,7 @@ for i = 1, #ARGV, 4 do
   local job_id = ARGV[i]
   local job_key = job_prefix .. job_id
   local job = redis.call('HMGET', job_key, 'state', 'attempts', 'gen', 'cancel', 'priority')
-  if job[1] == 'running' and job[2] == ARGV[i + 1] and (job[3] or '0') == ARGV[i + 2]
+  if holds(job, ARGV[i + 1], ARGV[i + 2])
       and job[4] then
     redis.call('LREM', processing_key, -1, job_id)
     redis.call('ZREM', leases_key, job_id)
@@ -91,7 +79,7 @@ for i = 1, #ARGV, 4 do
     redis.call('HSET', job_key, 'state', 'cancelled', 'gen', job[3] or '0')
     redis.call('PEXPIRE', job_key, CANCELLED_TOMBSTONE_MS)
     results[#results + 1] = 2
-  elseif job[1] == 'running' and job[2] == ARGV[i + 1] and (job[3] or '0') == ARGV[i + 2] then
+  elseif holds(job, ARGV[i + 1], ARGV[i + 2]) then
     redis.call('LREM', processing_key, -1, job_id)
     redis.call('ZREM', leases_key, job_id)
     if ARGV[i + 3] == '0' then
@@ -108,7 +96,7 @@ for i = 1, #ARGV, 4 do
     results[#results + 1] = 0
   end
 end
-if released > 0 and redis.call('LLEN', wake_key) == 0 then
-  redis.call('RPUSH', wake_key, '1')
+if released > 0 then
+  push_wake_marker(wake_key)
 end
 return results

@@ -32,21 +32,15 @@ local bands_key = KEYS[4]
 local band_prefix = KEYS[5]
 local strays_key = KEYS[6]
 
+--- @include "wake_marker"
+
 local priority = tonumber(ARGV[2])
 if priority == nil or priority ~= math.floor(priority) or priority < -100 or priority > 100 then
   return redis.error_reply('ERR reprioritize: priority must be a whole number from -100 to 100, not '
     .. string.sub(tostring(ARGV[2]), 1, 40))
 end
 
--- A job's priority as its hash holds it: a whole number from -100 to 100,
--- 0 when absent (enqueue.lua writes it only when it is not 0) or damaged.
-local function band_of(value)
-  local n = tonumber(value)
-  if n == nil or n ~= n then
-    return 0
-  end
-  return math.max(-100, math.min(100, math.floor(n)))
-end
+--- @include "band_of"
 
 local job_id = ARGV[1]
 local job_key = job_prefix .. job_id
@@ -69,8 +63,6 @@ if state == 'queued' then
     redis.call('ZADD', bands_key, priority, priority)
   end
   redis.call('ZINCRBY', strays_key, 1, job_id)
-  if redis.call('LLEN', wake_key) == 0 then
-    redis.call('RPUSH', wake_key, '1')
-  end
+  push_wake_marker(wake_key)
 end
 return { 1, state, old }

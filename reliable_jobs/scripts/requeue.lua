@@ -24,15 +24,9 @@ local job_prefix = KEYS[4]
 local bands_key = KEYS[5]
 local band_prefix = KEYS[6]
 
--- A job's priority as its hash holds it: a whole number from -100 to 100,
--- 0 when absent (enqueue.lua writes it only when it is not 0) or damaged.
-local function band_of(value)
-  local n = tonumber(value)
-  if n == nil or n ~= n then
-    return 0
-  end
-  return math.max(-100, math.min(100, math.floor(n)))
-end
+--- @include "wake_marker"
+
+--- @include "band_of"
 
 -- Put an id on the left of (behind the jobs waiting in) the list of its
 -- priority band: queued itself for 0, else band_prefix .. priority.
@@ -55,7 +49,5 @@ if state ~= 'scheduled' or redis.call('ZREM', scheduled_key, job_id) == 0 then
 end
 redis.call('HSET', job_key, 'state', 'queued', 'ready_ms', now_ms())
 push_band(job_id, band_of(redis.call('HGET', job_key, 'priority')))
-if redis.call('LLEN', wake_key) == 0 then
-  redis.call('RPUSH', wake_key, '1')
-end
+push_wake_marker(wake_key)
 return { 1, state }

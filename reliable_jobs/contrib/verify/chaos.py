@@ -37,347 +37,53 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import signal
-import statistics
 import subprocess
-import sys
 import tempfile
 import time
-from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from datetime import datetime
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
-from django.conf import settings
-from django.db import connections
 from django.utils import timezone
 
 from reliable_jobs.compat import Task
-from reliable_jobs.models import Attempt, AttemptOutcome, Job, JobState
-from reliable_jobs.supervisor import signal_when_parent_dies
+from reliable_jobs.models import Job, JobState
 from reliable_jobs.tasks import discover, lookup
-from reliable_jobs.worker.executor import MARK_AHEAD
 
 from . import chaos_ledger
 from .broker_reads import lease_count, worker_info
+from .chaos_count import CUT_FAULT, FLUSH_FAULT, ChaosCounting
+from .chaos_fleet import Fleet, Slot, interruptible, manage_py, proxied_database_url
+from .chaos_report import (
+    DEFAULT_TASK,
+    ChaosConfig,
+    ChaosError,
+    ChaosReport,
+    Fault,
+    Interrupted,
+    Kill,
+    rerun_delays,
+)
 from .netfaults import CuttableProxy
+
+__all__ = ["DEFAULT_TASK", "ChaosConfig", "ChaosError", "ChaosReport", "ChaosRun", "Fault",
+           "Interrupted", "Kill", "rerun_delays"]
 
 if TYPE_CHECKING:
     from reliable_jobs.backend import ReliableJobsBackend
 
-#: The task a chaos run enqueues unless told otherwise (this app's): it
-#: sleeps, so jobs are running (not just queued) when their worker is killed.
-DEFAULT_TASK = "reliable_jobs.contrib.verify.tasks.chaos_job"
 #: Seconds the sweep process waits between passes.
 SWEEP_INTERVAL_S = 0.5
 #: Seconds a worker gets to finish its jobs once the run stops it (``--grace``).
 WORKER_GRACE_S = 2.0
-#: Seconds between SIGTERM and SIGKILL when the run stops its processes.
-STOP_TIMEOUT_S = 15.0
 #: Seconds the first workers get to start (import Django, heartbeat).
 START_TIMEOUT_S = 60.0
 #: Seconds between two checks of the queue while waiting for it to drain.
 POLL_S = 0.5
-#: Job ids per database query (SQLite caps the variables of one statement).
-ID_CHUNK = 500
-#: Outcomes of an attempt that the task itself caused: not a crash.
-TASK_FAILURES = (AttemptOutcome.FAILED, AttemptOutcome.TIMED_OUT)
-#: Report rows of the two server faults.
-FLUSH_FAULT = "Redis restarted empty (FLUSHDB)"
-CUT_FAULT = "PostgreSQL cut off (TCP proxy)"
 
 
-class ChaosError(Exception):
-    """The run cannot start or cannot go on (bad flags, a busy queue, workers that never start)."""
-
-
-class Interrupted(Exception):
-    """SIGTERM or Ctrl-C arrived during the run."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class ChaosConfig:
-    """What ``chaosjobs`` was asked to do; durations in seconds, as the flags give them."""
-
-    jobs: int = 5_000
-    workers: int = 3
-    concurrency: int = 2
-    kill_every_s: float = 2.0
-    duration_s: float = 20.0
-    drain_timeout_s: float = 120.0
-    task_ms: int = 5
-    seed: int | None = None
-    queue: str | None = None
-    task_path: str = DEFAULT_TASK
-    #: ``-v`` given to the child processes (per-job log lines from 1).
-    child_verbosity: int = 0
-    #: Percent of jobs planned to fail their first attempt (then retried), and
-    #: to give up (``PermanentFailure``: dead); the task must accept the
-    #: keyword arguments ``fail_attempts`` and ``give_up``.
-    fail_percent: float = 0.0
-    give_up_percent: float = 0.0
-    #: Seconds into the chaos to FLUSHDB the backend's Redis database (None: never).
-    flush_redis_at_s: float | None = None
-    #: Seconds into the chaos to cut PostgreSQL off, and for how long (None: never).
-    cut_postgres_at_s: float | None = None
-    cut_postgres_for_s: float = 3.0
-
-    def problems(self) -> list[str]:
-        """Each flag that is out of range, as a whole sentence."""
-        found = []
-        for name, value, minimum in (("--jobs", self.jobs, 1), ("--workers", self.workers, 1),
-                                     ("--concurrency", self.concurrency, 1),
-                                     ("--task-ms", self.task_ms, 0),
-                                     ("--duration", self.duration_s, 0),
-                                     ("--fail-percent", self.fail_percent, 0),
-                                     ("--give-up-percent", self.give_up_percent, 0),
-                                     ("--flush-redis-at", self.flush_redis_at_s or 0, 0),
-                                     ("--cut-postgres-at", self.cut_postgres_at_s or 0, 0)):
-            if value < minimum:
-                found.append(f"{name} must be at least {minimum}, not {value}.")
-        for name, value in (("--kill-every", self.kill_every_s),
-                            ("--drain-timeout", self.drain_timeout_s),
-                            ("--cut-postgres-for", self.cut_postgres_for_s)):
-            if value <= 0:
-                found.append(f"{name} must be a positive number of seconds, not {value}.")
-        if self.fail_percent + self.give_up_percent > 100:
-            found.append("--fail-percent and --give-up-percent add up to more than 100.")
-        return found
-
-
-@dataclass(frozen=True, slots=True)
-class Kill:
-    """One SIGKILL: whom, when (wall clock, as attempts record it), what it held."""
-
-    worker_id: str
-    at: datetime
-    #: Job id -> attempt number, for the jobs of the worker's last heartbeat
-    #: that Redis still showed running just before the kill: this covers the
-    #: jobs it had claimed but not started, which leave no attempt row.
-    held: dict[str, int]
-    pid: int = 0
-    #: ``time.time()`` once the process was reaped: the end of its unfinished runs.
-    died_at: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class Fault:
-    """A server fault the run caused: what, when (seconds into the chaos), what it hit."""
-
-    name: str
-    at_s: float
-    detail: str
-    #: ``time.time()`` when it happened, to line it up with the ledger and the logs.
-    wall: float = 0.0
-
-
-@dataclass
-class ChaosReport:
-    """The counts a run ends with; :meth:`table` is what ``chaosjobs`` prints."""
-
-    config: ChaosConfig
-    lease_ms: int
-    sweep_interval_ms: int
-    max_attempts_allowed: int
-    seed: int
-    enqueued: int = 0
-    succeeded: int = 0
-    dead: int = 0
-    #: Jobs claimed more than once (``attempts`` > 1), started or not.
-    claimed_again: int = 0
-    #: Jobs with more than one started attempt: the task body really ran twice.
-    ran_again: int = 0
-    #: Most claims of one job (``attempts``, the fencing token).
-    max_attempts_seen: int = 0
-    #: Most started attempts of one job: what ``max_attempts`` bounds for a
-    #: job whose claims were cut short before it started.
-    max_runs_seen: int = 0
-    kills: int = 0
-    #: Workers and sweeps that exited without being killed (restarted).
-    unexpected_exits: int = 0
-    #: Jobs that were in a killed worker's hands and then ran again.
-    interrupted: int = 0
-    #: Per (kill, job): seconds from the SIGKILL to the start of the next attempt.
-    rerun_s: list[float] = field(default_factory=list)
-    chaos_s: float = 0.0
-    #: Seconds from the end of the chaos to the drained queue (None: timed out).
-    drain_s: float | None = None
-    log_dir: str = ""
-    leftovers: str = ""
-    planned_failures: int = 0
-    planned_give_ups: int = 0
-    #: Dead jobs whose row keeps no error: a death nobody can explain.
-    dead_without_error: int = 0
-    #: The ledger's verdict; None when the task wrote no ledger (another ``--task``).
-    ledger: chaos_ledger.Findings | None = None
-    #: One line per ledger finding: job, runs, pids, times.
-    evidence: list[str] = field(default_factory=list)
-    #: Fault name -> what happened ("off" when not asked for).
-    faults: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def lost(self) -> int:
-        return self.enqueued - self.succeeded - self.dead
-
-    @property
-    def ok(self) -> bool:
-        return (self.lost == 0 and self.drain_s is not None and self.dead_without_error == 0
-                and (self.ledger is None or self.ledger.clean))
-
-    def table(self) -> str:
-        """A Markdown table, ready for the README."""
-        c = self.config
-        rerun = sorted(self.rerun_s)
-
-        def seconds(value: float | None) -> str:
-            return "-" if value is None else f"{value:.2f} s"
-
-        ledger = self.ledger
-
-        def ledger_count(count: int) -> str:
-            return "-" if ledger is None else f"**{count:,}**"
-
-        rows = [
-            ("jobs enqueued", f"{self.enqueued:,}"),
-            ("succeeded", f"{self.succeeded:,}"),
-            ("dead", f"{self.dead:,}"),
-            ("**lost (must be 0)**", f"**{self.lost:,}**"),
-            ("planned to fail once / to give up", f"{self.planned_failures:,} / "
-                                                  f"{self.planned_give_ups:,}"),
-            ("dead with no error kept (must be 0)", f"{self.dead_without_error:,}"),
-            ("runs in the execution ledger",
-             "- (the task keeps none)" if ledger is None else f"{ledger.runs:,}"),
-            ("**ran concurrently (must be 0)**",
-             ledger_count(len(ledger.overlaps) if ledger else 0)),
-            ("**final state differs from the last run's outcome (must be 0)**",
-             ledger_count(len(ledger.wrong_final) if ledger else 0)),
-            ("**re-ran without a crash (must be 0)**",
-             ledger_count(ledger.rerun_jobs if ledger else 0)),
-            ("claimed more than once (attempts > 1)", f"{self.claimed_again:,}"),
-            ("run more than once (2+ started attempts)", f"{self.ran_again:,}"),
-            ("most claims of one job (attempts)", f"{self.max_attempts_seen}"),
-            ("most runs of one job (started attempts)",
-             f"{self.max_runs_seen} (max_attempts {self.max_attempts_allowed})"),
-            ("workers killed (SIGKILL)", f"{self.kills:,}"),
-            *((name, detail) for name, detail in self.faults.items()),
-            ("jobs a killed worker held, seen to run again", f"{self.interrupted:,}"),
-            ("worst crash-to-rerun", seconds(rerun[-1] if rerun else None)),
-            ("median crash-to-rerun", seconds(statistics.median(rerun) if rerun else None)),
-            ("unexpected process exits", f"{self.unexpected_exits:,}"),
-            ("chaos, then drain", f"{self.chaos_s:.1f} s, then "
-             + ("timed out" if self.drain_s is None else f"{self.drain_s:.1f} s")),
-        ]
-        width = max(len(name) for name, _ in rows)
-        lines = [
-            f"chaosjobs: {self.enqueued:,} jobs of {c.task_ms} ms on {c.workers} workers x "
-            f"{c.concurrency} threads, SIGKILL every {c.kill_every_s:g} s for {c.duration_s:g} s; "
-            f"LEASE_MS {self.lease_ms}, SWEEP_INTERVAL_MS {self.sweep_interval_ms}, "
-            f"seed {self.seed}",
-            "",
-            f"| {'figure':<{width}} | value |",
-            f"|{'-' * (width + 2)}|------:|",
-            *(f"| {name:<{width}} | {value} |" for name, value in rows),
-        ]
-        return "\n".join(lines)
-
-
-def manage_py() -> list[str]:
-    """The command line that starts ``manage.py`` in a child, as this process was started.
-
-    ``python path/to/manage.py chaosjobs`` gives ``python path/to/manage.py``;
-    anything else (``django-admin``, ``call_command``) gives ``python -m
-    django``, which finds the project through ``DJANGO_SETTINGS_MODULE``.
-    """
-    script = Path(sys.argv[0])
-    if script.name == "manage.py" and script.is_file():
-        return [sys.executable, str(script.resolve())]
-    return [sys.executable, "-m", "django"]
-
-
-class Fleet:
-    """Every process a run starts, each logging to its own file, all stopped at the end."""
-
-    def __init__(self, argv: Sequence[str], log_dir: Path,
-                 env: dict[str, str] | None = None) -> None:
-        self.argv = list(argv)
-        self.log_dir = log_dir
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.env.setdefault("DJANGO_SETTINGS_MODULE", settings.SETTINGS_MODULE)
-        self.started: list[subprocess.Popen[bytes]] = []
-
-    def start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
-        """Start ``manage.py <args>`` with this process's environment (same settings)."""
-        with open(self.log_dir / f"{name}.log", "ab") as log:
-            proc = subprocess.Popen(
-                [*self.argv, *args], env=self.env, stdin=subprocess.DEVNULL, stdout=log,
-                stderr=subprocess.STDOUT,
-                # Its own session: Ctrl-C reaches the run only, which then stops
-                # every child in order instead of racing their signal handlers.
-                start_new_session=True,
-                preexec_fn=signal_when_parent_dies(os.getpid(), signal.SIGKILL),
-            )
-        self.started.append(proc)
-        return proc
-
-    def log_tail(self, name: str, lines: int = 20) -> str:
-        path = self.log_dir / f"{name}.log"
-        text = path.read_text(errors="replace") if path.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
-
-    def stop_all(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
-        """SIGTERM every live child, SIGKILL what is still alive after ``timeout_s``."""
-        alive = [proc for proc in self.started if proc.poll() is None]
-        for proc in alive:
-            with contextlib.suppress(ProcessLookupError):
-                proc.terminate()
-        deadline = time.monotonic() + timeout_s
-        for proc in alive:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-@dataclass(slots=True)
-class Slot:
-    """One of the ``--workers`` places: the worker serving it now."""
-
-    worker_id: str
-    name: str
-    proc: subprocess.Popen[bytes]
-
-
-@contextlib.contextmanager
-def interruptible() -> Iterator[None]:
-    """Turn SIGTERM and Ctrl-C into :class:`Interrupted`, so the fleet is always stopped.
-
-    Python's default SIGTERM ends the process without unwinding, which
-    would leave every worker behind.
-    """
-    raised = False
-
-    def interrupt(signum: int, frame: Any) -> None:
-        nonlocal raised
-        if raised:
-            return  # already stopping: a second Ctrl-C must not cut the cleanup short
-        raised = True
-        raise Interrupted(signal.Signals(signum).name)
-
-    previous = {signum: signal.signal(signum, interrupt)
-                for signum in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-
-
-class ChaosRun:
+class ChaosRun(ChaosCounting):
     """One run: start the fleet, enqueue, kill workers, wait for the drain, count."""
 
     def __init__(self, backend: ReliableJobsBackend, config: ChaosConfig, *,
@@ -439,7 +145,7 @@ class ChaosRun:
                             "(FLUSHDB would empty every master).")
         if self.config.cut_postgres_at_s is not None:
             try:
-                self._proxied_database_url(0)
+                proxied_database_url(self.backend.database, 0)
             except ChaosError as exc:
                 problems.append(str(exc))
         if problems:
@@ -455,29 +161,6 @@ class ChaosRun:
                 f"running, {counts.scheduled} scheduled, {leases} leases in Redis; {unfinished} "
                 "unfinished job(s) in the database). Run chaosjobs on an idle queue."
             )
-
-    def _proxied_database_url(self, proxy_port: int) -> tuple[str, str, int]:
-        """``DATABASE_URL`` pointed at a proxy on ``proxy_port``, with the real host and port.
-
-        Children are configured from the environment like this process, so
-        the one way to route them through the proxy without touching their
-        settings is the URL they read. It must name the backend's database,
-        or cutting it would prove nothing.
-        """
-        url = os.environ.get("DATABASE_URL", "")
-        parts = urlsplit(url)
-        db = connections[self.backend.database].settings_dict
-        if (parts.scheme not in {"postgres", "postgresql", "pgsql"} or not parts.hostname
-                or parts.path.lstrip("/") != db["NAME"]):
-            raise ChaosError(
-                "--cut-postgres-at needs DATABASE_URL in the environment, a postgres:// URL "
-                f"with a TCP host naming the backend's database {db['NAME']!r}: the children "
-                "reach PostgreSQL through a proxy by a rewritten DATABASE_URL."
-            )
-        userinfo = parts.netloc.rpartition("@")[0]
-        netloc = (f"{userinfo}@" if userinfo else "") + f"127.0.0.1:{proxy_port}"
-        return (urlunsplit(parts._replace(netloc=netloc)), parts.hostname,
-                parts.port or 5432)
 
     # -- the run -----------------------------------------------------------
 
@@ -497,9 +180,10 @@ class ChaosRun:
         with interruptible():
             try:
                 if cfg.cut_postgres_at_s is not None:
-                    _, host, port = self._proxied_database_url(0)
+                    _, host, port = proxied_database_url(self.backend.database, 0)
                     self._proxy = CuttableProxy(port, host)
-                    env["DATABASE_URL"] = self._proxied_database_url(self._proxy.port)[0]
+                    env["DATABASE_URL"] = proxied_database_url(
+                        self.backend.database, self._proxy.port)[0]
                     self.out(f"chaosjobs: workers and the sweep reach PostgreSQL through a "
                              f"proxy on port {self._proxy.port}")
                 fleet = Fleet(manage_py(), self.log_dir, env)
@@ -609,13 +293,6 @@ class ChaosRun:
                              self._restore_postgres))
         return sorted(schedule, key=lambda item: item[0])
 
-    def _unfinished(self, ids: list[str]) -> int:
-        finished = sum(
-            Job.objects.using(self.backend.database).filter(
-                pk__in=chunk, state__in=(JobState.SUCCEEDED, JobState.DEAD)).count()
-            for chunk in _chunks(ids))
-        return len(ids) - finished
-
     def _flush_redis(self, at_s: float, ids: list[str]) -> None:
         """Empty the backend's Redis database, as a restart without persistence leaves it.
 
@@ -697,142 +374,8 @@ class ChaosRun:
             time.sleep(POLL_S)
         return None
 
-    def _drained(self, ids: list[str]) -> bool:
-        """Every job succeeded or dead in the mirror AND Redis holds nothing for the queue.
-
-        The mirror alone is not enough: a worker killed after writing a
-        success but before its ack leaves the job in Redis, to run again.
-        """
-        finished = 0
-        for chunk in _chunks(ids):
-            finished += Job.objects.using(self.backend.database).filter(
-                pk__in=chunk, state__in=(JobState.SUCCEEDED, JobState.DEAD)).count()
-        if finished < len(ids):
-            return False
-        counts = self.backend.broker.counts(self.queue)
-        return not (counts.queued or counts.running or counts.scheduled
-                    or lease_count(self.backend.broker, self.queue))
-
     def _forget_killed(self) -> None:
         """Drop the heartbeats of killed workers, so the admin does not list them as live."""
         with contextlib.suppress(Exception):
             for kill in self.kills:
                 self.backend.broker.forget_worker(kill.worker_id)
-
-    # -- counting ------------------------------------------------------------
-
-    def _report(self, ids: list[str], chaos_s: float, drain_s: float | None, *,
-                ended_at: float) -> ChaosReport:
-        database = self.backend.database
-        report = ChaosReport(
-            config=self.config, lease_ms=self.backend.config.LEASE_MS,
-            sweep_interval_ms=self.backend.config.SWEEP_INTERVAL_MS,
-            max_attempts_allowed=self.backend.task_option(self.task(), "max_attempts"),
-            seed=self.seed, enqueued=len(ids), kills=len(self.kills),
-            unexpected_exits=self.unexpected_exits, chaos_s=chaos_s, drain_s=drain_s,
-            log_dir=str(self.log_dir), planned_failures=self._planned[0],
-            planned_give_ups=self._planned[1],
-        )
-        states: Counter[str] = Counter()
-        final_states: dict[str, str] = {}
-        attempts: dict[str, list[Attempt]] = defaultdict(list)
-        for chunk in _chunks(ids):
-            for pk, state, last_error in Job.objects.using(database).filter(
-                    pk__in=chunk).values_list("pk", "state", "last_error"):
-                final_states[str(pk)] = state
-                states[state] += 1
-                if state == JobState.DEAD and not last_error:
-                    report.dead_without_error += 1
-            jobs = Job.objects.using(database).filter(pk__in=chunk)
-            report.claimed_again += jobs.filter(attempts__gt=1).count()
-            report.max_attempts_seen = max(
-                report.max_attempts_seen,
-                max(jobs.values_list("attempts", flat=True), default=0))
-            for attempt in Attempt.objects.using(database).filter(job_id__in=chunk).only(
-                    "job_id", "number", "worker_id", "started_at", "outcome"):
-                attempts[str(attempt.job_id)].append(attempt)
-        report.succeeded = states[JobState.SUCCEEDED]
-        report.dead = states[JobState.DEAD]
-        runs = [sum(1 for a in rows if a.started_at) for rows in attempts.values()]
-        report.ran_again = sum(1 for count_ in runs if count_ > 1)
-        report.max_runs_seen = max(runs, default=0)
-        reruns = rerun_delays(self.kills, attempts)
-        report.rerun_s = [delay for _, delay in reruns]
-        report.interrupted = len({job_id for job_id, _ in reruns})
-        cfg = self.config
-        report.faults = {
-            FLUSH_FAULT: "off" if cfg.flush_redis_at_s is None else "not reached",
-            CUT_FAULT: "off" if cfg.cut_postgres_at_s is None else "not reached",
-        } | {fault.name: fault.detail for fault in self.faults}
-        self._check_ledger(report, final_states, ended_at)
-        if report.lost or drain_s is None:
-            report.leftovers = self._leftovers(ids, states)
-        return report
-
-    def _check_ledger(self, report: ChaosReport, final_states: dict[str, str],
-                      ended_at: float) -> None:
-        """Read the execution ledger, check it, and keep the evidence next to the logs."""
-        ledger = chaos_ledger.read_ledger(self.ledger_dir)
-        if not ledger.runs:
-            return  # a --task that keeps no ledger: nothing to check
-        findings = chaos_ledger.analyse(
-            ledger, deaths=self.deaths, final_states=final_states, ended_at=ended_at,
-            redis_losses=[fault.wall for fault in self.faults if fault.name == FLUSH_FAULT],
-            start_lag_s=max(1.0, 2 * MARK_AHEAD * self.config.task_ms / 1000))
-        report.ledger = findings
-        report.evidence = chaos_ledger.evidence(findings, self.deaths)
-        lines = [f"kill: worker {kill.worker_id} pid {kill.pid} dead at "
-                 f"{chaos_ledger.clock(kill.died_at)}" for kill in self.kills]
-        lines += [f"fault: {fault.name} {fault.detail} ({chaos_ledger.clock(fault.wall)} UTC)"
-                  for fault in self.faults]
-        (self.log_dir / "ledger-findings.txt").write_text(
-            "\n".join([*lines, *chaos_ledger.evidence(findings, self.deaths, limit=10**9)])
-            + "\n")
-
-    def _leftovers(self, ids: list[str], states: Counter[str]) -> str:
-        """What is still unfinished: the evidence a bug report needs."""
-        counts = self.backend.broker.counts(self.queue)
-        stuck = [
-            f"{job.pk} {job.state} attempts={job.attempts} updated={job.updated_at:%H:%M:%S.%f}"
-            for chunk in _chunks(ids)
-            for job in Job.objects.using(self.backend.database).filter(pk__in=chunk).exclude(
-                state__in=(JobState.SUCCEEDED, JobState.DEAD))[:10]
-        ][:10]
-        return (f"job states {dict(states)}; Redis: {counts.queued} queued, {counts.running} "
-                f"processing, {counts.scheduled} scheduled, "
-                f"{lease_count(self.backend.broker, self.queue)} leases; first unfinished: "
-                + ("; ".join(stuck) or "none"))
-
-
-def rerun_delays(kills: list[Kill], attempts: dict[str, list[Attempt]]
-                 ) -> list[tuple[str, float]]:
-    """For each kill and each job its worker held: (job id, seconds until it ran again).
-
-    The worker held attempt ``n`` of a job if Redis showed it running with
-    that attempt just before the kill (from the heartbeat's list), or if the
-    worker's attempt ``n`` was the job's latest to start before the kill and
-    did not fail by itself (a task error is a retry, not a crash). It "ran
-    again" when attempt ``n + 1`` started. If ``n + 1`` never started (the
-    job was dead, or was claimed by a worker that died before starting it),
-    this crash's delay is not counted; the next one is measured on its own.
-    """
-    delays: list[tuple[str, float]] = []
-    for kill in kills:
-        held = dict(kill.held)
-        for job_id, rows in attempts.items():
-            before = [a for a in rows if a.started_at and a.started_at < kill.at]
-            latest = max(before, key=lambda a: a.number, default=None)
-            if (latest is not None and latest.worker_id == kill.worker_id
-                    and latest.outcome not in TASK_FAILURES):
-                held[job_id] = latest.number
-        for job_id, number in held.items():
-            again = [a.started_at for a in attempts.get(job_id, ())
-                     if a.number == number + 1 and a.started_at and a.started_at >= kill.at]
-            if again:
-                delays.append((job_id, (again[0] - kill.at).total_seconds()))
-    return delays
-
-
-def _chunks(ids: list[str]) -> Iterator[list[str]]:
-    for start in range(0, len(ids), ID_CHUNK):
-        yield ids[start:start + ID_CHUNK]

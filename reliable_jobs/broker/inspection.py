@@ -1,0 +1,135 @@
+"""Read-only views of the queues and the workers: counts, latency, heartbeats.
+
+Nothing here changes a job; the dashboard, the metrics and the sweep read
+through these (the heartbeat is the one write, to a worker's own entry).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from ..keys import worker_key, workers_index
+from .core import BrokerCore
+from .records import Latency, QueueCounts, WorkerBeat
+
+#: How long a worker that stopped beating stays in the workers index, in ms.
+WORKER_INDEX_KEEP_MS = 3_600_000
+
+#: Ids latency.lua reads at most from a queue's oldest end, past cancelled
+#: tombstones and stray copies, to find the oldest job that will run.
+LATENCY_LOOK = 20
+
+
+class Inspection(BrokerCore):
+    """Counts, latency, held states and the workers index."""
+
+    def held_states(self, queue: str, job_ids: Sequence[str]) -> dict[str, dict[str, str]]:
+        """Return the state, attempts, gen and last_error of each job Redis holds."""
+        k = self.keys(queue)
+        with self.client.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.hmget(k.job(job_id), "state", "attempts", "last_error", "gen")
+            replies = pipe.execute()
+        return {
+            job_id: {"state": state, "attempts": attempts or "0", "last_error": error or "",
+                     "gen": gen or "0"}
+            for job_id, (state, attempts, error, gen) in zip(job_ids, replies, strict=True)
+            if state is not None
+        }
+
+    def counts(self, queue: str) -> QueueCounts:
+        """Ids on each list; queued adds up every priority band (at most 201 lists)."""
+        k = self.keys(queue)
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.llen(k.queued)
+            pipe.llen(k.processing)
+            pipe.zcard(k.scheduled)
+            pipe.zcard(k.dead)
+            pipe.zrange(k.bands, 0, -1)
+            queued, running, scheduled, dead, bands = pipe.execute()
+        if bands:
+            with self.client.pipeline(transaction=False) as pipe:
+                for band in bands:
+                    pipe.llen(f"{k.band_prefix}{band}")
+                queued += sum(pipe.execute())
+        return QueueCounts(queued, running, scheduled, dead)
+
+    def queued_by_priority(self, queue: str) -> dict[int, int]:
+        """Ids waiting on each priority's list (copies a reprioritize left included)."""
+        k = self.keys(queue)
+        bands = [int(b) for b in self.client.zrange(k.bands, 0, -1)]
+        with self.client.pipeline(transaction=False) as pipe:
+            for band in [0, *bands]:
+                pipe.llen(k.band(band))
+            lengths = pipe.execute()
+        return {band: n for band, n in zip([0, *bands], lengths, strict=True) if n}
+
+    def latency(self, queue: str, *, look: int = LATENCY_LOOK) -> Latency:
+        """The age of ``queue``'s oldest ready job and oldest due scheduled job.
+
+        One read-only script call: O(``look``) at the queued list's oldest
+        end and O(log n) on the scheduled set, whatever their length (and
+        O(``look``) more per priority other than 0 in use).
+        """
+        k = self.keys(queue)
+        now_ms, queued, ready_id, ready_ms, due_id, due_ms = self._run(
+            "latency", (k.queued, k.scheduled, k.job_prefix, k.bands, k.band_prefix), (look,))
+        ready_ms, due_ms, now_ms = int(ready_ms), int(due_ms), int(now_ms)
+        return Latency(
+            queue, int(queued),
+            oldest_ready_ms=max(0, now_ms - ready_ms) if ready_id and ready_ms else None,
+            oldest_due_ms=max(0, now_ms - due_ms) if due_id else None,
+            oldest_ready_id=ready_id, oldest_due_id=due_id,
+        )
+
+    def heartbeat(self, worker_id: str, info: dict[str, Any], *, ttl_ms: int) -> None:
+        """Record that a worker is alive, with what it holds, for ``ttl_ms``.
+
+        Workers killed outright never say goodbye: entries of the index older
+        than an hour (far beyond any heartbeat TTL) are dropped here, so the
+        index stays as small as the set of recent workers. Beats are scored
+        on the Redis server's clock, so one worker's skewed clock can neither
+        drop the others nor keep itself listed.
+        """
+        now_ms = self.server_time_ms()
+        index = workers_index(self.prefix)
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.set(worker_key(self.prefix, worker_id), json.dumps(info), px=ttl_ms)
+            pipe.zadd(index, {worker_id: now_ms})
+            pipe.zremrangebyscore(index, "-inf", now_ms - WORKER_INDEX_KEEP_MS)
+            pipe.execute()
+
+    def forget_worker(self, worker_id: str) -> None:
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.delete(worker_key(self.prefix, worker_id))
+            pipe.zrem(workers_index(self.prefix), worker_id)
+            pipe.execute()
+
+    def server_time_ms(self) -> int:
+        seconds, micros = self.client.time()
+        return int(seconds) * 1000 + int(micros) // 1000
+
+    def workers(self, *, limit: int = 500) -> list[WorkerBeat]:
+        """Workers whose heartbeat has not expired, newest beat first (``limit`` at most).
+
+        The index keeps a worker until it says goodbye; one killed with
+        SIGKILL stays there, so only ids whose heartbeat key still exists
+        (it has a TTL) are returned.
+        """
+        index = workers_index(self.prefix)
+        beats = [(str(entry[0]), int(entry[1]))  # withscores: (member, score) pairs
+                 for entry in self.client.zrevrange(index, 0, limit - 1, withscores=True)
+                 if isinstance(entry, tuple)]
+        if not beats:
+            return []
+        with self.client.pipeline(transaction=False) as pipe:
+            for worker_id, _ in beats:
+                pipe.get(worker_key(self.prefix, worker_id))
+            infos = pipe.execute()
+        return [
+            WorkerBeat(worker_id, beat_ms, json.loads(raw))
+            for (worker_id, beat_ms), raw in zip(beats, infos, strict=True)
+            if raw
+        ]

@@ -1,0 +1,156 @@
+"""The typed values the broker's methods take and return.
+
+Plain frozen dataclasses (and the fencing token tuple), so callers never
+see a raw script reply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from enum import IntEnum
+from typing import Any
+
+#: A fencing token with the id it guards: (id, attempt, gen). The attempt
+#: counts claims; the generation counts rebuilds from the mirror, so a token
+#: handed out before Redis lost a job never matches one handed out after.
+Fence = tuple[str, int, int]
+
+
+class Applied(IntEnum):
+    """What a fenced script did with one token: its per-group reply.
+
+    An int, so code that only asks "was it held?" can treat it as a bool.
+    """
+
+    #: The token is no longer current: nothing was done.
+    REFUSED = 0
+    #: Done as asked (started, renewed, acked, nacked, released).
+    DONE = 1
+    #: The job is marked for cancellation (cancel.lua): extend renewed it
+    #: and says so; start did not mark it; ack, nack and release finished
+    #: it as cancelled instead.
+    CANCELLED = 2
+
+
+def _applied(replies: Sequence[Any]) -> list[Applied]:
+    return [Applied(int(r)) for r in replies]
+
+
+def epoch_ms(moment: datetime | None) -> int:
+    """A moment as ``NewJob.due_ms`` wants it: ms since the epoch, 0 for "now" (None)."""
+    return 0 if moment is None else int(moment.timestamp() * 1000)
+
+
+@dataclass(frozen=True, slots=True)
+class NewJob:
+    """A job to write into Redis (fresh, or rebuilt from the mirror)."""
+
+    id: str
+    payload: str
+    max_attempts: int
+    due_ms: int = 0
+    attempts: int = 0
+    #: 0 when first enqueued; the mirror's generation when rebuilt.
+    gen: int = 0
+    #: -100 to 100, higher runs first (Django's range); 0 keeps the plain list.
+    priority: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimedJob:
+    """A job this worker now holds: ``attempt`` and ``gen`` are its fencing token."""
+
+    queue: str
+    id: str
+    attempt: int
+    max_attempts: int
+    payload: str
+    gen: int = 0
+    #: How long the job was ready before this claim (ms, server clock), -1 unknown.
+    waited_ms: int = field(default=-1, compare=False)
+
+    @property
+    def fence(self) -> Fence:
+        return (self.id, self.attempt, self.gen)
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimResult:
+    jobs: list[ClaimedJob]
+    #: (id, attempts, gen) of jobs found with no attempt left, now dead.
+    dead: list[Fence]
+    #: Ids found on the list with no job hash, moved aside to dead.
+    garbage: list[str]
+    remaining: int
+    #: Non-zero priority bands the queue had in use (0: only priority 0).
+    banded: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveredJob:
+    id: str
+    attempts: int
+    #: 'settled', 'cancelled', 'expired', 'unstarted', 'dead', 'orphan',
+    #: 'garbage' or 'dropped'; see recover.lua.
+    kind: str
+    #: The job's budget after recovery (an unstarted claim is refunded).
+    max_attempts: int = field(default=0, compare=False)
+    gen: int = field(default=0, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Settlement:
+    """An expired attempt whose outcome the mirror holds: finish it as that."""
+
+    id: str
+    attempt: int
+    gen: int
+    #: 'succeeded', 'dead' or 'cancelled'.
+    final: str
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class RecoverResult:
+    outcomes: list[RecoveredJob]
+    stamped: int
+
+
+@dataclass(frozen=True, slots=True)
+class Latency:
+    """How long one physical queue's oldest jobs have waited (see latency.lua).
+
+    Ages are in ms on the Redis server's clock, None when there is no such
+    job: an empty queue, or nothing scheduled that is due.
+    """
+
+    queue: str
+    queued: int
+    #: Age of the oldest job ready to run (queued), from when it became ready.
+    oldest_ready_ms: int | None
+    #: How long the oldest scheduled job that is due has waited for promotion.
+    oldest_due_ms: int | None
+    oldest_ready_id: str = ""
+    oldest_due_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class QueueCounts:
+    queued: int
+    running: int
+    scheduled: int
+    dead: int
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerBeat:
+    """A live worker's last heartbeat: what ``Worker._heartbeat`` wrote."""
+
+    id: str
+    #: When it last beat, in ms since the epoch (the Redis server's clock).
+    beat_ms: int
+    #: id, host, pid, queues, concurrency, jobs ("queue:id", at most 50),
+    #: started (epoch s), claimed, finished.
+    info: dict[str, Any]
