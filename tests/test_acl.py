@@ -37,7 +37,8 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
 #: The README's minimal ACL for reliable_jobs processes (key prefix "rj"),
 #: rule by rule. Commands the clients send: script calls (EVALSHA, and
-#: SCRIPT LOAD after a restart), the blocking waits, counts, reconcile's
+#: SCRIPT LOAD after a restart), the blocking waits, a busy worker's look at
+#: the wake markers of queues it skips (LMPOP, or LPOP before Redis 7), counts, reconcile's
 #: HMGET, heartbeats, and connection setup. Commands the scripts run inside
 #: Redis: the rest. The admin's dashboard also reads heartbeats (GET,
 #: ZREVRANGE); workers read which shards of a queue exist (ZRANGE).
@@ -45,7 +46,7 @@ MINIMAL_ACL = (
     "resetkeys", "~rj:*", "resetchannels", "-@all",
     "+client|setname", "+select", "+ping",
     "+evalsha", "+script|load",
-    "+blmove", "+blpop", "+llen", "+zcard", "+hmget", "+zrange",
+    "+blmove", "+blpop", "+lmpop", "+lpop", "+llen", "+zcard", "+hmget", "+zrange",
     "+set", "+get", "+del", "+zadd", "+zrem", "+zrevrange", "+zremrangebyscore",
     "+time", "+exists", "+hget", "+hset", "+hdel", "+lpos", "+lpush", "+rpush", "+lrange",
     "+lrem", "+ltrim", "+zscore", "+zrangebyscore", "+pexpire",
