@@ -48,16 +48,7 @@ local band_prefix = KEYS[9]
 
 --- @include "band_of"
 
--- Put an id on the left of (behind the jobs waiting in) the list of its
--- priority band: queued itself for 0, else band_prefix .. priority.
-local function push_band(job_id, priority)
-  if priority == 0 then
-    redis.call('LPUSH', queued_key, job_id)
-  else
-    redis.call('LPUSH', band_prefix .. priority, job_id)
-    redis.call('ZADD', bands_key, priority, priority)
-  end
-end
+--- @include "band_push"
 
 if #ARGV % 5 ~= 0 then
   return redis.error_reply(
@@ -99,7 +90,7 @@ for i = 1, #ARGV, 5 do
       redis.call('ZADD', dead_key, now, job_id)
       redis.call('HSET', job_key, 'state', 'dead', 'finished_ms', now, 'last_error', error_text)
     elseif delay_ms == 0 then
-      push_band(job_id, band_of(job[5]))
+      push_band_behind(job_id, band_of(job[5]))
       redis.call('HSET', job_key, 'state', 'queued', 'last_error', error_text)
       queued_now = queued_now + 1
     else

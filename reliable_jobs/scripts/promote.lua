@@ -32,16 +32,7 @@ local band_prefix = KEYS[6]
 
 --- @include "band_of"
 
--- Put an id on the left of (behind the jobs waiting in) the list of its
--- priority band: queued itself for 0, else band_prefix .. priority.
-local function push_band(job_id, priority)
-  if priority == 0 then
-    redis.call('LPUSH', queued_key, job_id)
-  else
-    redis.call('LPUSH', band_prefix .. priority, job_id)
-    redis.call('ZADD', bands_key, priority, priority)
-  end
-end
+--- @include "band_push"
 
 --- @include "server_clock"
 
@@ -65,7 +56,7 @@ for _, job_id in ipairs(due) do
     if priority == 0 then
       ready[#ready + 1] = job_id
     else
-      push_band(job_id, priority)
+      push_band_behind(job_id, priority)
       banded = banded + 1
     end
   elseif not KNOWN_STATES[state] then

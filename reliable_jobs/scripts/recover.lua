@@ -121,16 +121,7 @@ local function consume_stray(job_id)
   return true
 end
 
--- Put an id on the right of (to run next in) the list of its
--- priority band: queued itself for 0, else band_prefix .. priority.
-local function push_band(job_id, priority)
-  if priority == 0 then
-    redis.call('RPUSH', queued_key, job_id)
-  else
-    redis.call('RPUSH', band_prefix .. priority, job_id)
-    redis.call('ZADD', bands_key, priority, priority)
-  end
-end
+--- @include "band_push"
 
 -- Ids of processing inspected per call for a missing lease.
 local SCAN_SLICE = 100
@@ -259,7 +250,7 @@ for _, job_id in ipairs(expired) do
         kind = 'unstarted'
         max_attempts = math.min(max_attempts + 1, MAX_COUNT)
         redis.call('HSET', job_key, 'state', 'queued', 'max_attempts', max_attempts)
-        push_band(job_id, band_of(job[7]))
+        push_band_next(job_id, band_of(job[7]))
         requeued = requeued + 1
       elseif job[1] == 'running' and attempts >= max_attempts then
         kind = 'dead'
@@ -270,7 +261,7 @@ for _, job_id in ipairs(expired) do
       elseif job[1] == 'running' or job[1] == 'queued' then
         if job[1] == 'running' then kind = 'expired' else kind = 'orphan' end
         redis.call('HSET', job_key, 'state', 'queued')
-        push_band(job_id, band_of(job[7]))
+        push_band_next(job_id, band_of(job[7]))
         requeued = requeued + 1
       else
         kind = 'dropped'

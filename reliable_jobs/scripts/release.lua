@@ -41,16 +41,7 @@ local band_prefix = KEYS[7]
 
 --- @include "band_of"
 
--- Put an id on the right of (to run next in) the list of its
--- priority band: queued itself for 0, else band_prefix .. priority.
-local function push_band(job_id, priority)
-  if priority == 0 then
-    redis.call('RPUSH', queued_key, job_id)
-  else
-    redis.call('RPUSH', band_prefix .. priority, job_id)
-    redis.call('ZADD', bands_key, priority, priority)
-  end
-end
+--- @include "band_push"
 
 if #ARGV % 4 ~= 0 then
   return redis.error_reply(
@@ -89,7 +80,7 @@ for i = 1, #ARGV, 4 do
     else
       redis.call('HSET', job_key, 'state', 'queued')
     end
-    push_band(job_id, band_of(job[5]))
+    push_band_next(job_id, band_of(job[5]))
     released = released + 1
     results[#results + 1] = 1
   else

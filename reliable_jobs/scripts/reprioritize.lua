@@ -41,6 +41,7 @@ if priority == nil or priority ~= math.floor(priority) or priority < -100 or pri
 end
 
 --- @include "band_of"
+--- @include "band_push"
 
 local job_id = ARGV[1]
 local job_key = job_prefix .. job_id
@@ -56,12 +57,7 @@ else
   redis.call('HSET', job_key, 'priority', priority)
 end
 if state == 'queued' then
-  if priority == 0 then
-    redis.call('LPUSH', queued_key, job_id)
-  else
-    redis.call('LPUSH', band_prefix .. priority, job_id)
-    redis.call('ZADD', bands_key, priority, priority)
-  end
+  push_band_behind(job_id, priority)
   redis.call('ZINCRBY', strays_key, 1, job_id)
   push_wake_marker(wake_key)
 end

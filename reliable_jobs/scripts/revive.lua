@@ -30,16 +30,7 @@ local band_prefix = KEYS[6]
 
 --- @include "band_of"
 
--- Put an id on the left of (behind the jobs waiting in) the list of its
--- priority band: queued itself for 0, else band_prefix .. priority.
-local function push_band(job_id, priority)
-  if priority == 0 then
-    redis.call('LPUSH', queued_key, job_id)
-  else
-    redis.call('LPUSH', band_prefix .. priority, job_id)
-    redis.call('ZADD', bands_key, priority, priority)
-  end
-end
+--- @include "band_push"
 
 --- @include "server_clock"
 
@@ -64,6 +55,6 @@ redis.call('ZREM', dead_key, job_id)
 redis.call('HSET', job_key, 'state', 'queued', 'max_attempts', math.min(attempts + extra, MAX_COUNT),
   'ready_ms', now_ms())
 redis.call('HDEL', job_key, 'finished_ms')
-push_band(job_id, band_of(redis.call('HGET', job_key, 'priority')))
+push_band_behind(job_id, band_of(redis.call('HGET', job_key, 'priority')))
 push_wake_marker(wake_key)
 return 1
