@@ -178,11 +178,11 @@ def test_only_tasks_of_installed_apps_are_allowed(settings: Any) -> None:
     assert tasks.lookup("testproject.demo.tasks.add") is None
 
 
-#: Modules on the path from Redis to a running task, and the sweep (the
-#: worker package's modules each count).
-JOB_PATH_MODULES = ("broker", "isolation", "payload", "retry", "sweep", "tasks",
-                    *sorted(f"worker/{path.stem}" for path in
-                            (REPO / "reliable_jobs" / "worker").glob("*.py")))
+#: Modules on the path from Redis to a running task, and the sweep (each
+#: module of the broker, mirror and worker packages counts).
+JOB_PATH_MODULES = ("isolation", "payload", "retry", "sweep", "tasks",
+                    *sorted(f"{package}/{path.stem}" for package in ("broker", "mirror", "worker")
+                            for path in (REPO / "reliable_jobs" / package).glob("*.py")))
 #: Anything that turns data into code or objects.
 FORBIDDEN_IMPORTS = {"pickle", "cPickle", "marshal", "shelve", "dill", "cloudpickle",
                      "jsonpickle", "yaml", "importlib"}

@@ -1,6 +1,6 @@
 """Hostile Redis contents and odd task results that used to stop workers.
 
-Each test failed before the fix it names (in broker.py, mirror/ or
+Each test failed before the fix it names (in broker/, mirror/ or
 worker.py). Without it the worker process died (UnicodeDecodeError in its
 claim; a finisher thread killed by a DataError stops the worker), and so did
 every worker that picked the same job up after a restart: a job whose claim
