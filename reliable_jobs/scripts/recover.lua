@@ -106,20 +106,7 @@ local strays_key = KEYS[11]
 
 --- @include "band_of"
 
--- A copy of an id that reprioritize.lua left behind: take one off the
--- id's count in strays; false when strays counts none.
-local function consume_stray(job_id)
-  local left = tonumber(redis.call('ZSCORE', strays_key, job_id))
-  if left == nil then
-    return false
-  end
-  if left <= 1 then
-    redis.call('ZREM', strays_key, job_id)
-  else
-    redis.call('ZINCRBY', strays_key, -1, job_id)
-  end
-  return true
-end
+--- @include "stray"
 
 --- @include "band_push"
 
