@@ -116,21 +116,23 @@ class QueueKeys:
 
     @property
     def processing(self) -> str:
+        """Legacy: the list where version 0.1 kept claimed ids.
+
+        The in-flight index is now :attr:`leases` (an ack is a ZREM,
+        O(log n), where LREM on this shared list was O(jobs in flight));
+        recover.lua drains what an upgrade left here into leases.
+        """
         return f"{self.base}:processing"
 
     @property
     def leases(self) -> str:
+        """Sorted set id -> lease deadline (ms): every claimed, unacked job."""
         return f"{self.base}:leases"
 
     @property
     def landing(self) -> str:
         """Ids a worker moved off queued with BLMOVE and has not stamped yet."""
         return f"{self.base}:landing"
-
-    @property
-    def scan(self) -> str:
-        """Where recover's walk over processing (for ids without a lease) resumes."""
-        return f"{self.base}:scan"
 
     @property
     def scheduled(self) -> str:

@@ -264,8 +264,16 @@ class Sweep:
                 if state is None or state["state"] in TOMBSTONES:
                     lost_rows.append(row)
                 elif state["state"] == JobState.DEAD:
-                    mirror.bury(database, str(row.pk), attempts=int(state["attempts"]),
-                                gen=int(state["gen"]), error=state["last_error"])
+                    # The row is locked and this hash is the job's only
+                    # incarnation, so its death is the job's outcome, even
+                    # the death of a late push of an older generation than
+                    # the row's (Redis lost a rebuilt job, then the original
+                    # on-commit push arrived): fenced by the hash's own gen
+                    # and attempts, that bury would leave the row unfinished
+                    # for ever behind a hash reconcile never rebuilds.
+                    mirror.bury(database, str(row.pk),
+                                attempts=max(int(state["attempts"]), row.attempts),
+                                gen=row.generation, error=state["last_error"])
                     buried += 1
             now = timezone.now()
             mirror.next_generation(database, lost_rows)

@@ -526,7 +526,6 @@ class QueueMachine(RuleBasedStateMachine):
         queued = set(client.lrange(k.queued, 0, -1))
         for band in client.zrange(k.bands, 0, -1):
             queued |= set(client.lrange(k.band(int(band)), 0, -1))
-        processing = set(client.lrange(k.processing, 0, -1))
         landing = set(client.lrange(k.landing, 0, -1))
         scheduled = set(client.zrange(k.scheduled, 0, -1))
         leases = set(client.zrange(k.leases, 0, -1))
@@ -537,7 +536,7 @@ class QueueMachine(RuleBasedStateMachine):
                 continue  # reconcile rebuilds (or buries) it
             if state == "queued" and (job_id in queued or job_id in landing):
                 continue
-            if state == "running" and job_id in processing and job_id in leases:
+            if state == "running" and job_id in leases:  # leases: the in-flight index
                 continue
             if state == "scheduled" and job_id in scheduled:
                 continue
@@ -545,7 +544,7 @@ class QueueMachine(RuleBasedStateMachine):
                 continue
             self.fail(f"job {job_id} is unfinished in the mirror but stranded in Redis: "
                       f"hash {found}, queued={job_id in queued}, "
-                      f"processing={job_id in processing}, landing={job_id in landing}, "
+                      f"landing={job_id in landing}, "
                       f"scheduled={job_id in scheduled}, lease={job_id in leases}")
 
     @invariant()

@@ -62,7 +62,7 @@ def snapshot(redis_client: redis.Redis, *job_ids: str) -> dict[str, Any]:
         "attempts": list(Attempt.objects.filter(job_id__in=job_ids).order_by("pk").values()),
         "hashes": {job_id: redis_client.hgetall(KEYS.job(job_id)) for job_id in job_ids},
         "queued": redis_client.lrange(KEYS.queued, 0, -1),
-        "processing": redis_client.lrange(KEYS.processing, 0, -1),
+        "leases": redis_client.zrange(KEYS.leases, 0, -1),
         "scheduled": redis_client.zrange(KEYS.scheduled, 0, -1),
         "dead": redis_client.zrange(KEYS.dead, 0, -1),
     }
@@ -195,7 +195,7 @@ def test_cancel_takes_queued_and_scheduled_jobs_off_redis(
     claimed = backend.broker.claim("default", count=10, lease_ms=60_000)
     assert (claimed.jobs, claimed.dead, claimed.garbage) == ([], [], [])
     assert redis_client.lrange(KEYS.queued, 0, -1) == []
-    assert redis_client.lrange(KEYS.processing, 0, -1) == []
+    assert redis_client.zrange(KEYS.leases, 0, -1) == []
     assert not redis_client.exists(KEYS.job(queued.id))
     for job in Job.objects.filter(pk__in=[queued.id, later.id]):
         assert job.state == JobState.CANCELLED
@@ -227,7 +227,7 @@ def test_cancel_marks_a_running_job_and_its_holder_finishes_it_cancelled(
         f"Job {done.id} has finished (succeeded): there is nothing to cancel.",
     ])
     assert redis_client.hget(KEYS.job(held.id), "cancel") == f"{claim.attempt}:{claim.gen}"
-    assert redis_client.lrange(KEYS.processing, 0, -1) == [held.id]
+    assert redis_client.zrange(KEYS.leases, 0, -1) == [held.id]
     assert Job.objects.get(pk=held.id).state == JobState.CANCELLED
     assert snapshot(redis_client, done.id) == before_done
     assert LogEntry.objects.count() == 1

@@ -64,7 +64,7 @@ def running(broker: Broker, job_id: str = "a", *, lease_ms: int = 60_000,
 
 def off_every_list(redis_client: redis.Redis, job_id: str) -> bool:
     return not any(job_id in found for found in (
-        redis_client.lrange(KEYS.queued, 0, -1), redis_client.lrange(KEYS.processing, 0, -1),
+        redis_client.lrange(KEYS.queued, 0, -1), redis_client.lrange(KEYS.landing, 0, -1),
         redis_client.zrange(KEYS.leases, 0, -1), redis_client.zrange(KEYS.scheduled, 0, -1),
         redis_client.zrange(KEYS.dead, 0, -1)))
 

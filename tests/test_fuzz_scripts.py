@@ -358,7 +358,7 @@ def test_a_job_hash_deleted_under_a_running_job_is_rebuilt_and_runs(broker: Brok
 
     # Then its worker's ack is refused (the job is not lost: it is still listed),
     assert broker.ack(Q, [job.fence]) == [False]
-    assert broker.client.lrange(broker.keys(Q).processing, 0, -1) == [job.id]
+    assert broker.client.zrange(broker.keys(Q).leases, 0, -1) == [job.id]
 
     # and once its lease expires the sweep moves the id aside, reconcile pushes
     # the job again from the database, and it runs to the end

@@ -101,7 +101,7 @@ def test_a_worker_drains_any_hostile_batch_and_keeps_working(
 
     # Then no thread died, nothing is left in flight, and the ordinary jobs succeeded
     assert "Exception in thread" not in log
-    assert (redis_client.llen(KEYS.queued), redis_client.llen(KEYS.processing),
+    assert (redis_client.llen(KEYS.queued), redis_client.llen(KEYS.landing),
             redis_client.zcard(KEYS.scheduled), redis_client.zcard(KEYS.leases)) == (0, 0, 0, 0)
     assert demo.add.get_result(first.id).return_value == 3
     assert demo.fail_times.get_result(last.id).return_value == "still here"

@@ -77,7 +77,7 @@ def test_a_success_mirrored_before_a_crash_is_settled_not_rerun_or_buried(
     # When: another worker's sweep finds their leases expired
     survivor = processes.worker(env)
     wait_until(lambda: redis_client.zcard(KEYS.leases) == 0
-               and redis_client.llen(KEYS.processing) == 0
+               and redis_client.llen(KEYS.landing) == 0
                and redis_client.llen(KEYS.queued) == 0, timeout=30,
                message="the expired attempts to be settled")
 
@@ -250,6 +250,44 @@ def test_a_late_push_from_before_a_rebuild_does_not_run_the_job_again(
     # Then: it is refused, and nothing is left to claim
     assert written == 0
     assert broker.claim("default", count=10, lease_ms=60_000).jobs == []
+
+
+def test_a_death_of_a_late_push_after_two_losses_of_redis_is_mirrored(
+    rj_settings: Any, redis_client: redis.Redis
+) -> None:
+    # Given: a job reconcile rebuilt (generation 1) after Redis lost it, and
+    # Redis then lost it again
+    rj_settings()
+    backend = task_backends["default"]
+    broker: Broker = backend.broker
+    result = demo.add.enqueue(1, 2)
+    redis_client.flushdb()
+    backdate(result.id)
+    assert Sweep(backend).reconcile().pushed == 1
+    redis_client.flushdb()
+    # and the original push (generation 0) arrives late, so that incarnation
+    # runs and fails for good: the mirror refuses its record (an older
+    # generation than the row's), Redis buries it
+    from reliable_jobs.broker import NewJob
+    assert broker.enqueue("default", [NewJob(result.id, '{"task":"x"}', 3)]) == 1
+    job = broker.claim("default", count=1, lease_ms=60_000).jobs[0]
+    assert (job.gen, broker.start("default", [job.fence])) == (0, [True])
+    now = timezone.now()
+    mirror.record("default", [AttemptRecord(
+        job_id=job.id, attempt=job.attempt, gen=job.gen, job_state=JobState.DEAD,
+        worker_id="w", started_at=now, finished_at=now, outcome=AttemptOutcome.FAILED,
+        error="builtins.ValueError: for good")])
+    assert Job.objects.get(pk=result.id).state == JobState.QUEUED
+    assert broker.nack("default", [(*job.fence, -1, "builtins.ValueError: for good")]) == [True]
+
+    # When: reconcile looks at the row
+    backdate(result.id)
+    Sweep(backend).reconcile()
+
+    # Then: the death Redis recorded is the job's outcome; the row is not left
+    # unfinished for ever behind a hash that reconcile would never rebuild
+    row = Job.objects.get(pk=result.id)
+    assert (row.state, row.last_error) == (JobState.DEAD, "builtins.ValueError: for good")
 
 
 # -- 3. the jobs in hand are keyed by token ------------------------------------

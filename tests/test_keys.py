@@ -12,7 +12,6 @@ DESIGN_TABLE = {
     "queued": "rj:{Q}:queued",
     "processing": "rj:{Q}:processing",
     "landing": "rj:{Q}:landing",
-    "scan": "rj:{Q}:scan",
     "leases": "rj:{Q}:leases",
     "scheduled": "rj:{Q}:scheduled",
     "dead": "rj:{Q}:dead",
@@ -51,7 +50,7 @@ def test_every_key_of_a_queue_lives_in_one_cluster_slot() -> None:
         keys = QueueKeys("myapp", queue)
 
         # When every key of the queue is listed
-        names = [keys.queued, keys.processing, keys.landing, keys.scan, keys.leases,
+        names = [keys.queued, keys.processing, keys.landing, keys.leases,
                  keys.scheduled, keys.dead, keys.wake, keys.job("some-id"), keys.job_prefix]
 
         # Then each carries the {queue} tag, so all share the queue's slot

@@ -30,7 +30,7 @@ def test_poison_job_that_kills_its_worker_dies_and_spares_its_neighbours(
 
     def settled() -> bool:
         return (Job.objects.filter(pk__in=ids, state__in=[JobState.SUCCEEDED, JobState.DEAD])
-                .count() == len(ids) and not redis_client.llen(KEYS.processing)
+                .count() == len(ids) and not redis_client.zcard(KEYS.leases)
                 and not redis_client.llen(KEYS.queued))
 
     # When: workers keep being started as the poison keeps killing them
@@ -131,7 +131,7 @@ def test_worker_whose_finisher_dies_hands_its_jobs_back_and_exits_non_zero(
     # Then: it exits non-zero at once instead of renewing leases of jobs nobody finishes
     assert broken.wait(timeout=30) == 1, processes.log(broken)
     assert "died; handing every job back" in processes.log(broken)
-    assert redis_client.llen(KEYS.processing) == 0
+    assert redis_client.zcard(KEYS.leases) == 0
     assert redis_client.llen(KEYS.queued) == 5
     # and a healthy worker runs every job
     healthy = processes.worker(env, "--burst")

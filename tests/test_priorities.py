@@ -337,7 +337,7 @@ def test_reprioritize_moves_a_queued_job_and_its_old_copy_is_dropped(broker: Bro
     assert result.garbage == [] and result.dead == []
     assert broker.client.zcard(k.dead) == 0
     assert not broker.client.exists(k.strays)
-    assert broker.client.llen(k.processing) == 3
+    assert broker.client.zcard(k.leases) == 3
 
 
 def test_a_copy_left_behind_is_dropped_after_its_job_finished(broker: Broker) -> None:
@@ -358,7 +358,7 @@ def test_a_copy_left_behind_is_dropped_after_its_job_finished(broker: Broker) ->
     assert result.garbage == []
     assert broker.client.zcard(k.dead) == 0
     assert not broker.client.exists(k.strays)
-    assert broker.client.lrange(k.processing, 0, -1) == ["older"]
+    assert broker.client.zrange(k.leases, 0, -1) == ["older"]
 
 
 def test_moving_a_job_back_to_its_first_band_still_runs_it_once(broker: Broker) -> None:
@@ -373,7 +373,7 @@ def test_moving_a_job_back_to_its_first_band_still_runs_it_once(broker: Broker) 
     # Then x ran once, y once, and no copy is left anywhere
     k = broker.keys(Q)
     assert sorted(j.id for j in result.jobs) == ["x", "y"]
-    assert sorted(broker.client.lrange(k.processing, 0, -1)) == ["x", "y"]
+    assert sorted(broker.client.zrange(k.leases, 0, -1)) == ["x", "y"]
     assert broker.counts(Q).queued == 0
     assert not broker.client.exists(k.strays)
 

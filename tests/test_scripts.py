@@ -80,8 +80,11 @@ def queued(broker: Broker, queue: str = Q) -> list[str]:
     return broker.client.lrange(broker.keys(queue).queued, 0, -1)
 
 
-def processing(broker: Broker, queue: str = Q) -> list[str]:
-    return broker.client.lrange(broker.keys(queue).processing, 0, -1)
+def in_flight(broker: Broker, queue: str = Q) -> list[str]:
+    """Ids claimed and not yet acked: the leases set, less orphans leased on landing."""
+    on_landing = set(landing(broker, queue))
+    return [job_id for job_id in broker.client.zrange(broker.keys(queue).leases, 0, -1)
+            if job_id not in on_landing]
 
 
 def landing(broker: Broker, queue: str = Q) -> list[str]:
@@ -114,7 +117,7 @@ def snapshot(broker: Broker, job_ids: list[str], queue: str = Q) -> dict[str, An
     """Everything a script could change about a queue and some jobs."""
     return {
         "queued": queued(broker, queue),
-        "processing": processing(broker, queue),
+        "in_flight": in_flight(broker, queue),
         "landing": landing(broker, queue),
         "leases": leases(broker, queue),
         "scheduled": scheduled(broker, queue),
@@ -133,7 +136,7 @@ def wait_past(broker: Broker, deadline_ms: int) -> None:
 def assert_consistent(broker: Broker, queue: str = Q) -> None:
     """Each job hash sits exactly where its state says, and nowhere else."""
     k = broker.keys(queue)
-    on_queued, on_processing = queued(broker, queue), processing(broker, queue)
+    on_queued, on_processing = queued(broker, queue), in_flight(broker, queue)
     on_landing = landing(broker, queue)
     held, waiting, buried = leases(broker, queue), scheduled(broker, queue), dead(broker, queue)
     for key in broker.client.scan_iter(match=f"{k.job_prefix}*", count=1_000):
@@ -189,7 +192,7 @@ def test_enqueue_queues_due_jobs_and_schedules_future_ones(broker: Broker) -> No
     assert later["attempts"] == "0"
     assert json.loads(later["payload"])["args"] == ["later"]
     assert now_ms <= int(later["enqueued_ms"]) <= after_ms
-    assert processing(broker) == []
+    assert in_flight(broker) == []
     assert_consistent(broker)
 
 
@@ -268,7 +271,7 @@ def test_claim_takes_the_oldest_jobs_and_stamps_each(broker: Broker) -> None:
         assert stored["state"] == "running"
         assert stored["attempts"] == "1"
         assert before_ms <= int(stored["started_ms"]) <= after_ms
-    assert sorted(processing(broker)) == ["a", "b", "c"]
+    assert sorted(in_flight(broker)) == ["a", "b", "c"]
     assert queued(broker) == ["d"]
     lease_table = leases(broker)
     assert set(lease_table) == {"a", "b", "c"}
@@ -334,7 +337,7 @@ def test_claim_buries_a_job_with_no_attempt_left(broker: Broker) -> None:
     assert stored["attempts"] == "2"
     assert stored["last_error"].startswith("reliable_jobs.exceptions.AttemptsExhausted: ")
     assert before_ms <= dead(broker)["spent"] <= after_ms
-    assert processing(broker) == ["fresh"]
+    assert in_flight(broker) == ["fresh"]
     assert "spent" not in leases(broker)
     assert_consistent(broker)
 
@@ -351,7 +354,7 @@ def test_claim_moves_an_id_with_no_job_hash_aside(broker: Broker) -> None:
     assert result.garbage == ["ghost"]
     assert [j.id for j in result.jobs] == ["real"]
     assert "ghost" in dead(broker)
-    assert processing(broker) == ["real"]
+    assert in_flight(broker) == ["real"]
     assert set(leases(broker)) == {"real"}
     assert queued(broker) == []
 
@@ -361,7 +364,7 @@ def test_claim_stamps_the_id_blmove_moved(broker: Broker) -> None:
     enqueue(broker, "a", "b")
     woken = broker.wait([Q], timeout_s=1.0)
     assert woken == (Q, "a")
-    assert (landing(broker), processing(broker)) == (["a"], [])
+    assert (landing(broker), in_flight(broker)) == (["a"], [])
     assert hash_of(broker, "a")["state"] == "queued"
 
     # When it claims with that moved id and room for one job only
@@ -370,7 +373,7 @@ def test_claim_stamps_the_id_blmove_moved(broker: Broker) -> None:
     # Then the moved job is stamped, taken off landing onto processing once,
     # and "b" still waits
     assert [(j.id, j.attempt, j.gen) for j in result.jobs] == [("a", 1, 0)]
-    assert (landing(broker), processing(broker)) == ([], ["a"])
+    assert (landing(broker), in_flight(broker)) == ([], ["a"])
     assert set(leases(broker)) == {"a"}
     assert queued(broker) == ["b"]
     assert result.remaining == 1
@@ -387,7 +390,7 @@ def test_claim_stamps_the_moved_id_first_then_takes_a_batch(broker: Broker) -> N
 
     # Then it holds all three, the moved one first
     assert [j.id for j in result.jobs] == ["a", "b", "c"]
-    assert sorted(processing(broker)) == ["a", "b", "c"]
+    assert sorted(in_flight(broker)) == ["a", "b", "c"]
     assert (queued(broker), landing(broker)) == ([], [])
     assert_consistent(broker)
 
@@ -411,7 +414,7 @@ def test_claim_skips_a_moved_id_that_a_sweep_requeued_meanwhile(broker: Broker) 
     # ordinary way instead: moved onto processing, at its first attempt
     assert [(j.id, j.attempt) for j in result.jobs] == [("a", 1)]
     assert (queued(broker), landing(broker)) == ([], [])
-    assert processing(broker) == ["a"]
+    assert in_flight(broker) == ["a"]
     assert_consistent(broker)
     # and when that worker dies, the sweep gets the job back
     assert broker.start(Q, [("a", 1, 0)]) == [True]
@@ -444,7 +447,7 @@ def test_claim_keeps_the_only_copy_of_a_job_another_worker_holds(broker: Broker)
     # Then worker two gets nothing, and the one copy on processing stays,
     # so the job is recovered if worker one dies
     assert second.jobs == []
-    assert (processing(broker), landing(broker)) == (["a"], [])
+    assert (in_flight(broker), landing(broker)) == (["a"], [])
     assert_consistent(broker)
     wait_past(broker, leases(broker)["a"])
     assert broker.recover(Q, lease_ms=LONG_LEASE_MS).outcomes == [
@@ -464,7 +467,7 @@ def test_claim_drops_a_stray_second_copy_of_a_running_job(broker: Broker) -> Non
 
     # Then only "b" is claimed and "a" is still held once, as it was
     assert [j.id for j in result.jobs] == ["b"]
-    assert sorted(processing(broker)) == ["a", "b"]
+    assert sorted(in_flight(broker)) == ["a", "b"]
     assert hash_of(broker, "a") == before
     assert_consistent(broker)
 
@@ -480,7 +483,7 @@ def test_claim_of_a_batch_beyond_luas_unpack_limit(broker: Broker) -> None:
     # Then every job is claimed and leased, oldest first
     assert [j.id for j in result.jobs] == ids
     assert len(leases(broker)) == len(ids)
-    assert broker.client.llen(broker.keys(Q).processing) == len(ids)
+    assert len(in_flight(broker)) == len(ids)
 
     # When one ack finishes all of them
     acked = broker.ack(Q, [(job_id, 1, 0) for job_id in ids])
@@ -553,7 +556,7 @@ def test_a_fenced_batch_answers_each_job_on_its_own(broker: Broker) -> None:
     assert result == [True, False]
     assert hash_of(broker, "a") == {}
     assert hash_of(broker, "b") == b_before
-    assert processing(broker) == ["b"]
+    assert in_flight(broker) == ["b"]
 
 
 def test_ack_frees_the_job(broker: Broker) -> None:
@@ -568,7 +571,7 @@ def test_ack_frees_the_job(broker: Broker) -> None:
     # Then the first ack frees it (history lives in the mirror), the second is refused
     assert (first, second) == ([True], [False])
     assert hash_of(broker, "a") == {}
-    assert processing(broker) == ["b"]
+    assert in_flight(broker) == ["b"]
     assert set(leases(broker)) == {"b"}
     assert_consistent(broker)
 
@@ -589,7 +592,7 @@ def test_nack_with_delay_minus_one_buries_the_job(broker: Broker) -> None:
     assert stored["last_error"] == "PermanentFailure: no such user"
     assert before_ms <= int(stored["finished_ms"]) <= after_ms
     assert before_ms <= dead(broker)["a"] <= after_ms
-    assert (processing(broker), leases(broker), queued(broker)) == ([], {}, [])
+    assert (in_flight(broker), leases(broker), queued(broker)) == ([], {}, [])
     assert_consistent(broker)
 
 
@@ -609,7 +612,7 @@ def test_nack_with_delay_zero_queues_the_job_at_once(broker: Broker) -> None:
     assert stored["last_error"] == "ValueError: flaky"
     assert stored["attempts"] == "1"
     assert queued(broker) == ["a", "waiting"]
-    assert (processing(broker), leases(broker)) == ([], {})
+    assert (in_flight(broker), leases(broker)) == ([], {})
     assert wake_markers(broker) == 1
     assert_consistent(broker)
 
@@ -630,7 +633,7 @@ def test_nack_with_a_delay_schedules_the_job_at_server_time_plus_delay(broker: B
     assert stored["last_error"] == "TimeoutError"
     due_ms = scheduled(broker)["a"]
     assert before_ms + 30_000 <= due_ms <= after_ms + 30_000
-    assert (processing(broker), leases(broker), queued(broker)) == ([], {}, [])
+    assert (in_flight(broker), leases(broker), queued(broker)) == ([], {}, [])
     assert_consistent(broker)
 
 
@@ -668,7 +671,7 @@ def test_release_of_an_unstarted_job_gives_its_attempt_back(broker: Broker) -> N
     stored = hash_of(broker, "a")
     assert (stored["state"], stored["attempts"], stored["max_attempts"]) == ("queued", "1", "4")
     assert queued(broker) == ["waiting", "a"]
-    assert (processing(broker), leases(broker)) == ([], {})
+    assert (in_flight(broker), leases(broker)) == ([], {})
     assert wake_markers(broker) == 1
     assert claim_one(broker).id == "a"
 
@@ -780,7 +783,7 @@ def test_recover_requeues_an_expired_lease_on_the_right(broker: Broker) -> None:
     assert queued(broker) == ["waiting", "lost"]
     stored = hash_of(broker, "lost")
     assert (stored["state"], stored["attempts"]) == ("queued", "1")
-    assert processing(broker) == ["alive"]
+    assert in_flight(broker) == ["alive"]
     assert set(leases(broker)) == {"alive"}
     assert wake_markers(broker) == 1
     assert_consistent(broker)
@@ -807,7 +810,7 @@ def test_recover_buries_an_expired_job_with_no_attempt_left(broker: Broker) -> N
     assert stored["state"] == "dead"
     assert stored["last_error"].startswith("reliable_jobs.exceptions.LeaseExpired: ")
     assert before_ms <= dead(broker)["a"] <= after_ms
-    assert (queued(broker), processing(broker), leases(broker)) == ([], [], {})
+    assert (queued(broker), in_flight(broker), leases(broker)) == ([], [], {})
     assert_consistent(broker)
 
 
@@ -827,7 +830,7 @@ def test_recover_leases_an_orphan_then_requeues_it_without_charging(broker: Brok
     deadline = leases(broker)["a"]
     assert before_ms + 100 <= deadline <= after_ms + 100
     assert hash_of(broker, "a")["attempts"] == "0"
-    assert (landing(broker), processing(broker)) == (["a"], [])
+    assert (landing(broker), in_flight(broker)) == (["a"], [])
     # and a second pass before it expires leaves that lease alone
     assert broker.recover(Q, lease_ms=100).stamped == 0
     assert leases(broker) == {"a": deadline}
@@ -841,7 +844,7 @@ def test_recover_leases_an_orphan_then_requeues_it_without_charging(broker: Brok
     stored = hash_of(broker, "a")
     assert (stored["state"], stored["attempts"]) == ("queued", "0")
     assert queued(broker) == ["a"]
-    assert (landing(broker), processing(broker), leases(broker)) == ([], [], {})
+    assert (landing(broker), in_flight(broker), leases(broker)) == ([], [], {})
     assert wake_markers(broker) == 1
     assert claim_one(broker).attempt == 1
 
@@ -858,7 +861,7 @@ def test_recover_moves_garbage_on_landing_aside(broker: Broker) -> None:
     # Then it is reported as garbage, put in dead, and removed from landing
     assert result.outcomes == [RecoveredJob("ghost", 0, "garbage")]
     assert "ghost" in dead(broker)
-    assert (landing(broker), processing(broker), leases(broker), queued(broker)) == (
+    assert (landing(broker), in_flight(broker), leases(broker), queued(broker)) == (
         [], [], {}, [])
 
 
@@ -875,7 +878,7 @@ def test_recover_moves_garbage_on_processing_aside(broker: Broker) -> None:
     # Then it is reported as garbage, put in dead, and removed from processing
     assert result.outcomes == [RecoveredJob("ghost", 0, "garbage")]
     assert "ghost" in dead(broker)
-    assert (processing(broker), leases(broker), queued(broker)) == ([], {}, [])
+    assert (in_flight(broker), leases(broker), queued(broker)) == ([], {}, [])
 
 
 def test_recover_drops_a_stray_copy_of_a_job_that_lives_elsewhere(broker: Broker) -> None:
@@ -891,7 +894,7 @@ def test_recover_drops_a_stray_copy_of_a_job_that_lives_elsewhere(broker: Broker
 
     # Then the stray copy is dropped and the scheduled job is untouched
     assert result.outcomes == [RecoveredJob("a", 0, "dropped")]
-    assert (landing(broker), processing(broker), leases(broker), queued(broker)) == (
+    assert (landing(broker), in_flight(broker), leases(broker), queued(broker)) == (
         [], [], {}, [])
     assert hash_of(broker, "a") == before
     assert "a" in scheduled(broker)
@@ -946,7 +949,7 @@ def test_cancel_removes_a_queued_job(broker: Broker) -> None:
     assert [j.id for j in claimed.jobs] == ["b"]
     assert (claimed.dead, claimed.garbage) == ([], [])
     assert hash_of(broker, "a") == {}
-    assert (queued(broker), processing(broker)) == ([], ["b"])
+    assert (queued(broker), in_flight(broker)) == ([], ["b"])
     assert "a" not in dead(broker)
 
 
@@ -1084,7 +1087,7 @@ def test_a_holder_from_before_redis_lost_the_job_is_refused_after_a_rebuild(
     assert broker.extend(Q, [current.fence], lease_ms=LONG_LEASE_MS) == [True]
     assert broker.ack(Q, [current.fence]) == [True]
     assert hash_of(broker, "a") == {"state": "finished", "gen": "1"}
-    assert (queued(broker), processing(broker), leases(broker)) == ([], [], {})
+    assert (queued(broker), in_flight(broker), leases(broker)) == ([], [], {})
     assert_consistent(broker)
 
 
@@ -1155,7 +1158,7 @@ def test_a_cancelled_queued_job_stays_listed_until_a_claim_drops_it(broker: Brok
     assert [j.id for r in results for j in r.jobs] == ["a", "c"]
     assert [(r.dead, r.garbage) for r in results] == [([], [])] * 3
     assert hash_of(broker, "b") == {}
-    assert sorted(processing(broker)) == ["a", "c"]
+    assert sorted(in_flight(broker)) == ["a", "c"]
     assert set(leases(broker)) == {"a", "c"}
     assert "b" not in dead(broker)
     assert_consistent(broker)
@@ -1173,7 +1176,7 @@ def test_a_cancelled_id_moved_by_blmove_is_dropped_by_the_claim(broker: Broker) 
     # Then nothing is claimed, and the id and hash are gone from everywhere
     assert (result.jobs, result.dead, result.garbage) == ([], [], [])
     assert hash_of(broker, "a") == {}
-    assert (queued(broker), landing(broker), processing(broker)) == ([], [], [])
+    assert (queued(broker), landing(broker), in_flight(broker)) == ([], [], [])
     assert "a" not in leases(broker) and "a" not in dead(broker)
 
 
@@ -1196,7 +1199,7 @@ def test_cancel_among_ten_thousand_queued_jobs_does_not_search_the_list(broker: 
     assert [j.id for j in result.jobs] == [job_id for job_id in ids if job_id != "j5000"]
     assert (result.dead, result.garbage, result.remaining) == ([], [], 0)
     assert hash_of(broker, "j5000") == {}
-    assert broker.client.llen(broker.keys(Q).processing) == len(ids) - 1
+    assert len(in_flight(broker)) == len(ids) - 1
 
 
 # -- settling: the mirror already holds an expired attempt's outcome -----------------
@@ -1232,7 +1235,7 @@ def test_recover_settles_an_expired_attempt_the_mirror_saw_succeed(
         assert hash_of(broker, "a") == {}
     else:
         assert hash_of(broker, "a") == {"state": "finished", "gen": str(gen)}
-    assert (queued(broker), processing(broker), leases(broker), dead(broker)) == (
+    assert (queued(broker), in_flight(broker), leases(broker), dead(broker)) == (
         [], [], {}, {})
     assert broker.expired(Q) == []
     assert_consistent(broker)
@@ -1256,7 +1259,7 @@ def test_recover_settles_an_expired_attempt_the_mirror_saw_die(broker: Broker) -
         "dead", "1", "builtins.ValueError: bad input")
     assert before_ms <= int(stored["finished_ms"]) <= after_ms
     assert before_ms <= dead(broker)["a"] <= after_ms
-    assert (queued(broker), processing(broker), leases(broker)) == ([], [], {})
+    assert (queued(broker), in_flight(broker), leases(broker)) == ([], [], {})
     assert_consistent(broker)
 
 
@@ -1372,24 +1375,24 @@ def lua_commands(broker: Broker, action: Callable[[], Any]) -> tuple[Any, list[l
 def test_an_orphan_on_landing_behind_twenty_thousand_claimed_jobs_is_requeued(
     broker: Broker
 ) -> None:
-    # Given 20,000 claimed jobs on processing, leased for long
+    # Given 20,000 claimed jobs, leased for long
     ids = [f"j{i}" for i in range(20_000)]
     assert broker.enqueue(Q, [new_job(job_id) for job_id in ids]) == len(ids)
     assert len(broker.claim(Q, count=len(ids), lease_ms=LONG_LEASE_MS).jobs) == len(ids)
     # and one more job, moved onto landing by a worker that died before its claim
     enqueue(broker, "orphan")
     assert broker.wait([Q], timeout_s=1.0) == (Q, "orphan")
-    processing_key = broker.keys(Q).processing
+    leases_key = broker.keys(Q).leases
 
     # When the sweep runs
     first, stamping = lua_commands(broker, lambda: broker.recover(Q, lease_ms=SHORT_LEASE_MS))
 
-    # Then the orphan gets a lease, and processing was read only in one
-    # bounded slice (the walk for ids without a lease), never whole
+    # Then the orphan gets a lease, and the leases set was read only through
+    # its expired end, LIMITed, never whole
     assert (first.outcomes, first.stamped) == ([], 1)
     assert set(leases(broker)) == {*ids, "orphan"}
-    assert stamping and [c for c in stamping if processing_key in c] == [
-        ["LRANGE", processing_key, "0", "99"]]
+    reads = [c for c in stamping if leases_key in c and c[0] not in ("ZADD", "ZREM")]
+    assert reads and all(c[0] == "ZRANGEBYSCORE" and "LIMIT" in c for c in reads), reads
 
     # When that lease expires and the sweep runs again
     wait_past(broker, leases(broker)["orphan"])
@@ -1397,18 +1400,14 @@ def test_an_orphan_on_landing_behind_twenty_thousand_claimed_jobs_is_requeued(
                                                                      lease_ms=SHORT_LEASE_MS))
 
     # Then the orphan is back on queued, not charged an attempt, and the claimed
-    # jobs are untouched; processing was never scanned for orphans (at most
-    # the orphan's own id was removed from it)
+    # jobs are untouched: only the orphan's own lease was removed
     assert second.outcomes == [RecoveredJob("orphan", 0, "orphan")]
     assert (queued(broker), landing(broker)) == (["orphan"], [])
     stored = hash_of(broker, "orphan")
     assert (stored["state"], stored["attempts"]) == ("queued", "0")
-    assert broker.client.llen(processing_key) == len(ids)
     assert set(leases(broker)) == set(ids)
-    assert [c for c in requeueing if processing_key in c and c[0] != "LRANGE"] in (
-        [], [["LREM", processing_key, "-1", "orphan"]])
-    assert [c for c in requeueing if processing_key in c and c[0] == "LRANGE"] == [
-        ["LRANGE", processing_key, "100", "199"]]
+    assert [c for c in requeueing if leases_key in c and c[0] == "ZREM"] == [
+        ["ZREM", leases_key, "orphan"]]
     assert claim_one(broker).fence == ("orphan", 1, 0)
 
 
@@ -1470,7 +1469,7 @@ def test_two_workers_claiming_at_once_claim_each_job_exactly_once(broker: Broker
     # Then every job was claimed exactly once, as attempt one, and is held
     assert sorted(j.id for j in claimed) == sorted(ids)
     assert {j.attempt for j in claimed} == {1}
-    assert sorted(processing(broker)) == sorted(ids)
+    assert sorted(in_flight(broker)) == sorted(ids)
     assert set(leases(broker)) == set(ids)
     assert queued(broker) == []
     assert_consistent(broker)
@@ -1526,7 +1525,7 @@ def test_recover_racing_ack_ends_each_job_acked_or_requeued_never_both(broker: B
         assert hash_of(broker, job_id) == {}
     for job_id in requeued:
         assert hash_of(broker, job_id)["state"] == "queued"
-    assert (processing(broker), leases(broker)) == ([], {})
+    assert (in_flight(broker), leases(broker)) == ([], {})
     assert_consistent(broker)
 
 
@@ -1555,7 +1554,7 @@ def test_two_sweeps_at_once_requeue_each_expired_job_once(broker: Broker) -> Non
     # Then each job was requeued exactly once
     assert sorted(r.id for r in recovered) == sorted(ids)
     assert sorted(queued(broker)) == sorted(ids)
-    assert (processing(broker), leases(broker)) == ([], {})
+    assert (in_flight(broker), leases(broker)) == ([], {})
     assert_consistent(broker)
 
 
@@ -1563,7 +1562,7 @@ def test_two_sweeps_at_once_requeue_each_expired_job_once(broker: Broker) -> Non
 
 #: Commands the scripts use whose first argument is their only key.
 ONE_KEY_COMMANDS = frozenset({
-    "EXISTS", "GET", "HDEL", "HGET", "HINCRBY", "HMGET", "HSET", "LINDEX", "LLEN", "LPOS",
+    "EXISTS", "GET", "HDEL", "HGET", "HINCRBY", "HMGET", "HSET", "LINDEX", "LLEN", "LPOP", "LPOS",
     "LPUSH", "LRANGE", "LREM", "LTRIM", "PEXPIRE", "RPUSH", "SET", "ZADD", "ZCARD", "ZINCRBY",
     "ZRANGE", "ZRANGEBYSCORE", "ZREM", "ZREVRANGEBYSCORE", "ZSCORE",
 })
@@ -1683,7 +1682,8 @@ def test_every_key_a_script_touches_arrives_through_keys(name: str) -> None:
 
     # When its redis.call arguments are read (all of them: the parser misses none)
     calls = redis_calls(strip_lua_comments(source))
-    assert len(calls) == strip_lua_comments(source).count("redis.call(") > 0
+    code = strip_lua_comments(source)
+    assert len(calls) == code.count("redis.call(") + code.count("redis.pcall(") > 0
     problems = key_problems(source)
 
     # Then every key is a KEYS local or a job hash built from the KEYS job prefix
@@ -1810,20 +1810,34 @@ def test_every_key_the_broker_passes_shares_the_queues_slot(broker: Broker) -> N
     assert seen == set(scripts.SCRIPT_NAMES) - {"wake"}
 
 
-def test_an_id_on_processing_without_a_lease_is_found_by_the_walk(broker: Broker) -> None:
-    # Given 250 claimed jobs, and an id someone pushed onto processing by hand
-    # (or a script left there half-way), with no lease
+def test_ids_left_on_the_legacy_processing_list_are_moved_into_leases(broker: Broker) -> None:
+    # Given 250 claimed jobs, and the processing list version 0.1 kept claimed
+    # ids on, left by an upgrade: one id with a lease of its own, 150 without
+    # (one of them with no job hash at all)
     ids = [f"j{i}" for i in range(250)]
     assert broker.enqueue(Q, [new_job(job_id) for job_id in ids]) == len(ids)
     assert len(broker.claim(Q, count=len(ids), lease_ms=LONG_LEASE_MS).jobs) == len(ids)
-    broker.client.rpush(broker.keys(Q).processing, "stray")
+    processing_key = broker.keys(Q).processing
+    legacy = [f"old{i}" for i in range(149)]
+    for job_id in legacy:
+        enqueue(broker, job_id)
+    assert len(broker.claim(Q, count=len(legacy), lease_ms=LONG_LEASE_MS).jobs) == len(legacy)
+    broker.client.zrem(broker.keys(Q).leases, *legacy)
+    broker.client.rpush(processing_key, "j0", *legacy, "stray")
 
-    # When the sweep runs often enough for its walk to pass over processing
-    stamped = sum(broker.recover(Q, lease_ms=SHORT_LEASE_MS).stamped for _ in range(3))
+    # When the sweep runs: it moves at most 100 ids a call
+    stamped = [broker.recover(Q, lease_ms=SHORT_LEASE_MS).stamped for _ in range(3)]
 
-    # Then the stray id got a lease, and once that expires it leaves processing
-    assert stamped == 1 and "stray" in leases(broker)
-    wait_past(broker, leases(broker)["stray"])
+    # Then every id without a lease got one (j0 kept its own), and the legacy
+    # list is gone
+    assert stamped == [99, 51, 0]
+    assert broker.client.exists(processing_key) == 0
+    assert leases(broker)["j0"] == max(leases(broker)[job_id] for job_id in ids)
+    # and once those leases expire the sweep requeues the jobs (never
+    # started: not charged) and buries the id with no hash as garbage
+    wait_past(broker, max(leases(broker)[job_id] for job_id in [*legacy, "stray"]))
     result = broker.recover(Q, lease_ms=SHORT_LEASE_MS)
-    assert [(o.id, o.kind) for o in result.outcomes] == [("stray", "garbage")]
-    assert "stray" not in processing(broker)
+    kinds = {(o.id, o.kind) for o in result.outcomes}
+    assert kinds == {*((job_id, "unstarted") for job_id in legacy), ("stray", "garbage")}
+    assert "stray" not in in_flight(broker) and "stray" in dead(broker)
+    assert sorted(queued(broker)) == sorted(legacy)

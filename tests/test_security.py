@@ -321,7 +321,7 @@ def test_task_names_never_reach_redis_keys(
     # queues' own keys or a heartbeat: none was built from a task name
     assert contents(redis_client, "*{other}*") == other_before
     allowed = {getattr(QueueKeys("rj", q), name) for q in ("default", "other")
-               for name in ("queued", "processing", "landing", "scan", "leases", "scheduled",
+               for name in ("queued", "processing", "landing", "leases", "scheduled",
                             "dead", "wake")}
     for key in redis_client.scan_iter("*"):
         if key.startswith(("rj:{default}:job:", "rj:{other}:job:")):

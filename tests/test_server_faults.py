@@ -36,7 +36,7 @@ def finished_count(ids: list[str]) -> int:
 def redis_is_clean(url: str) -> bool:
     client = redis.Redis.from_url(url)
     try:
-        return not (client.llen(KEYS.queued) or client.llen(KEYS.processing)
+        return not (client.llen(KEYS.queued) or client.llen(KEYS.landing)
                     or client.zcard(KEYS.leases) or client.zcard(KEYS.scheduled))
     except redis.ConnectionError:
         return False

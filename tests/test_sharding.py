@@ -24,7 +24,7 @@ def all_done(ids: list[str], client: redis.Redis, shards: int) -> bool:
     if Job.objects.filter(pk__in=ids, state=JobState.SUCCEEDED).count() != len(ids):
         return False
     return not any(client.llen(QueueKeys("rj", shard_queue("default", i)).queued)
-                   or client.llen(QueueKeys("rj", shard_queue("default", i)).processing)
+                   or client.zcard(QueueKeys("rj", shard_queue("default", i)).leases)
                    for i in range(shards))
 
 

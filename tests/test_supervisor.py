@@ -157,7 +157,7 @@ def test_sigkilled_child_is_replaced_and_its_jobs_come_back(
         assert 1 <= final.attempts <= 2
     assert Attempt.objects.filter(worker_id="sup-1", outcome=AttemptOutcome.LEASE_EXPIRED
                                   ).exists()
-    assert redis_client.llen(KEYS.processing) == 0
+    assert redis_client.zcard(KEYS.leases) == 0
     assert processes.stop(supervisor) == 0, processes.log(supervisor)
 
 
@@ -186,7 +186,7 @@ def test_sigterm_lets_every_child_finish_its_job_and_leaves_nothing_behind(
     assert pids.keys() == {"sup-1", "sup-2"}
     assert not [pid for pid in pids.values() if alive(pid)]
     assert not live_workers()
-    assert redis_client.llen(KEYS.processing) == 0
+    assert redis_client.zcard(KEYS.leases) == 0
 
 
 def test_second_sigterm_hands_every_job_back_at_once(
@@ -210,7 +210,7 @@ def test_second_sigterm_hands_every_job_back_at_once(
     assert supervisor.wait(timeout=15) == 0, processes.log(supervisor)
     assert "Got SIGTERM again: telling 2 worker(s)" in processes.log(supervisor)
     assert redis_client.lrange(KEYS.queued, 0, -1) == [long.id]
-    assert redis_client.llen(KEYS.processing) == 0
+    assert redis_client.zcard(KEYS.leases) == 0
     outcomes = list(Attempt.objects.filter(job_id=long.id).values_list("outcome", flat=True))
     assert outcomes == [AttemptOutcome.RELEASED]
     assert not [pid for pid in children(processes, supervisor).values() if alive(pid)]

@@ -66,7 +66,7 @@ def test_burst_worker_runs_successes_retries_and_failures(
     # And: Redis keeps only the dead job's hash, in the dead set
     client = redis.Redis.from_url(env["REDIS_URL"], decode_responses=True)
     assert client.llen(KEYS.queued) == 0
-    assert client.llen(KEYS.processing) == 0
+    assert client.zcard(KEYS.leases) == 0
     assert client.zrange(KEYS.dead, 0, -1) == [doomed.id]
     assert not client.exists(KEYS.job(ok.id))
 
@@ -163,7 +163,7 @@ def test_garbage_on_the_queue_is_moved_aside(
 
     # Then: the garbage sits in the dead set, the worker kept running, the job ran
     assert set(redis_client.zrange(KEYS.dead, 0, -1)) == {"garbage-1", "\x00\xff not an id"}
-    assert redis_client.llen(KEYS.processing) == 0
+    assert redis_client.zcard(KEYS.leases) == 0
     assert demo.add.get_result(good.id).return_value == 7
     assert "Moved aside 'garbage-1'" in processes.log(worker)
 
@@ -192,7 +192,7 @@ def test_sigterm_lets_running_jobs_finish_and_hands_back_the_rest(
         assert redis_client.hmget(KEYS.job(r.id), "attempts", "max_attempts") == ["1", "4"]
         assert Job.objects.get(pk=r.id).max_attempts == 4
         assert not Attempt.objects.filter(job_id=r.id).exists()
-    assert redis_client.llen(KEYS.processing) == 0
+    assert redis_client.zcard(KEYS.leases) == 0
 
 
 @pytest.mark.crash

@@ -40,11 +40,15 @@ class Inspection(BrokerCore):
         }
 
     def counts(self, queue: str) -> QueueCounts:
-        """Ids on each list; queued adds up every priority band (at most 201 lists)."""
+        """Ids on each list; queued adds up every priority band (at most 201 lists).
+
+        Running counts the leases set, the in-flight index (an orphan a
+        sweep leased on landing included).
+        """
         k = self.keys(queue)
         with self.client.pipeline(transaction=False) as pipe:
             pipe.llen(k.queued)
-            pipe.llen(k.processing)
+            pipe.zcard(k.leases)
             pipe.zcard(k.scheduled)
             pipe.zcard(k.dead)
             pipe.zrange(k.bands, 0, -1)

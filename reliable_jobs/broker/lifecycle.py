@@ -110,7 +110,7 @@ class Lifecycle(BrokerCore):
         k = self.keys(queue)
         jobs_flat, dead_flat, garbage, remaining, banded = self._run(
             "claim",
-            (k.queued, k.processing, k.leases, k.dead, k.wake, k.job_prefix, k.landing,
+            (k.queued, k.leases, k.dead, k.wake, k.job_prefix, k.landing,
              k.bands, k.band_prefix, k.share, k.strays),
             (max(count, 1 if moved_id else 0), lease_ms, moved_id or "", self.fair_share,
              EXHAUSTED_CLASS),
@@ -144,7 +144,7 @@ class Lifecycle(BrokerCore):
         k = self.keys(queue)
         args: list[Any] = [TOMBSTONE_MS]
         args += [x for fence in held for x in fence]
-        return _applied(self._run("ack", (k.processing, k.leases, k.job_prefix), args))
+        return _applied(self._run("ack", (k.leases, k.job_prefix), args))
 
     def nack(self, queue: str, failed: Sequence[tuple[str, int, int, int, str]]
              ) -> list[Applied]:
@@ -154,7 +154,7 @@ class Lifecycle(BrokerCore):
             return []
         k = self.keys(queue)
         args = [x for entry in failed for x in entry]
-        keys = (k.queued, k.processing, k.leases, k.scheduled, k.dead, k.wake, k.job_prefix,
+        keys = (k.queued, k.leases, k.scheduled, k.dead, k.wake, k.job_prefix,
                 k.bands, k.band_prefix)
         applied = _applied(self._run("nack", keys, args))
         self._wake(queue, any(ok == Applied.DONE and entry[3] == 0
@@ -180,7 +180,7 @@ class Lifecycle(BrokerCore):
         k = self.keys(queue)
         args = [x for job_id, attempt, gen, started in held
                 for x in (job_id, attempt, gen, int(started))]
-        keys = (k.queued, k.processing, k.leases, k.wake, k.job_prefix, k.bands, k.band_prefix)
+        keys = (k.queued, k.leases, k.wake, k.job_prefix, k.bands, k.band_prefix)
         released = _applied(self._run("release", keys, args))
         self._wake(queue, Applied.DONE in released)
         return released
@@ -190,8 +190,8 @@ class Lifecycle(BrokerCore):
     def sweepable(self, queues: Sequence[str]) -> list[str]:
         """Those of ``queues`` the sweep has anything to look at in (one round trip).
 
-        Recover works on leases, processing and landing, promote on
-        scheduled: a queue with all four empty is skipped, which keeps a
+        Recover works on leases, landing and the legacy processing list,
+        promote on scheduled: a queue with all four empty is skipped, which keeps a
         pass over hundreds of idle queues from costing three script calls
         each. Work that arrives just after this look waits for the next pass,
         as it would after the pass itself.
@@ -226,7 +226,7 @@ class Lifecycle(BrokerCore):
             args += fence
         outcomes_flat, stamped = self._run(
             "recover",
-            (k.queued, k.processing, k.leases, k.dead, k.wake, k.job_prefix, k.landing, k.scan,
+            (k.queued, k.processing, k.leases, k.dead, k.wake, k.job_prefix, k.landing,
              k.bands, k.band_prefix, k.strays),
             args,
         )

@@ -1,25 +1,25 @@
 --[[
-  claim: move up to N jobs from queued to processing and stamp each one.
+  claim: move up to N jobs from queued into the leases set, stamping each one.
 
   KEYS[1] queued      list   ids ready to run (the oldest on the right)
-  KEYS[2] processing  list   ids claimed and not yet acked
-  KEYS[3] leases      zset   id -> lease deadline (ms, server clock)
-  KEYS[4] dead        zset   id -> time of death (ms)
-  KEYS[5] wake        list   at most one marker, pushed when work is left
-  KEYS[6] job prefix  string job hashes are KEYS[6] .. id (same {queue} slot)
-  KEYS[7] landing     list   ids a worker moved off queued with BLMOVE and
+  KEYS[2] leases      zset   id -> lease deadline (ms, server clock): the
+                             in-flight index, every claimed and unacked id
+  KEYS[3] dead        zset   id -> time of death (ms)
+  KEYS[4] wake        list   at most one marker, pushed when work is left
+  KEYS[5] job prefix  string job hashes are KEYS[5] .. id (same {queue} slot)
+  KEYS[6] landing     list   ids a worker moved off queued with BLMOVE and
                              has not stamped yet (a few at most)
-  KEYS[8] bands       zset   non-zero priorities with a non-empty band list
+  KEYS[7] bands       zset   non-zero priorities with a non-empty band list
                              (member and score: the priority)
-  KEYS[9] band prefix string the list of priority p is KEYS[9] .. p
-  KEYS[10] share      string jobs claimed while several bands waited,
+  KEYS[8] band prefix string the list of priority p is KEYS[8] .. p
+  KEYS[9] share       string jobs claimed while several bands waited,
                              modulo share_every (the fair share's turn)
-  KEYS[11] strays     zset   id -> copies reprioritize.lua left on a band
+  KEYS[10] strays     zset   id -> copies reprioritize.lua left on a band
 
   ARGV[1] count     how many jobs to claim at most
   ARGV[2] lease_ms  lease length in milliseconds
   ARGV[3] moved_id  an id the worker already moved onto landing with BLMOVE
-                    (stamped first, and moved onto processing), or '' for
+                    (stamped first, and moved into leases), or '' for
                     none; ignored when it is no longer on landing (a sweep
                     requeued it as an orphan while the worker stalled)
   ARGV[4] share_every  0: strict priority. n > 0: of every n jobs claimed
@@ -46,19 +46,22 @@
   dropped; so is a copy with no hash that strays counts (its job finished
   since): each such drop takes one off the id's count in strays.
 
-  Taking the batch with LRANGE + LTRIM + LPUSH inside one script is the same
-  atomic move as LMOVE, for many ids at once: an id is always on exactly one
-  of the two lists. Each claimed job gets attempts + 1 (the fencing token),
-  state 'running' and a lease. A job whose attempts already reached
-  max_attempts goes to dead instead (G3). An id with no job hash is garbage:
-  it is moved aside to dead and reported. So is an id whose hash is damaged
-  (no state, or a state no script writes), and the damaged hash is deleted,
-  so that reconcile rebuilds the job from the database. A copy of an id
-  whose job is not 'queued' is a stray and dropped, except the last copy of
-  a 'running' job on processing: that one belongs to the job's holder, and
-  without it an expired lease could never be recovered. The id of a job
-  cancelled while queued (state 'cancelled', see cancel.lua) is dropped
-  with its hash: that is where a cancel takes effect.
+  Taking the batch with LRANGE + LTRIM and adding each claimed id to leases
+  inside one script is the same atomic move as LMOVE, for many ids at once:
+  an id is always on queued (or landing) or in leases, never in neither.
+  leases is the in-flight index: an ack removes its id with ZREM, O(log n)
+  in the jobs in flight, where LREM on a shared processing list walked
+  past every older unacked id. Each claimed job gets attempts + 1 (the
+  fencing token), state 'running' and a lease. A job whose attempts
+  already reached max_attempts goes to dead instead (G3). An id with no
+  job hash is garbage: it is moved aside to dead and reported. So is an id
+  whose hash is damaged (no state, or a state no script writes), and the
+  damaged hash is deleted, so that reconcile rebuilds the job from the
+  database. A copy of an id whose job is not 'queued' is a stray and
+  dropped: a 'running' job's own record is its entry in leases, which this
+  script never touches for it. The id of a job cancelled while queued
+  (state 'cancelled', see cancel.lua) is dropped with its hash: that is
+  where a cancel takes effect.
 
   attempts, gen and max_attempts are read as whole numbers from 0 (1) to
   2^31 - 1 (the mirror's integer columns) whatever the hash holds, and
@@ -80,16 +83,15 @@
   or exhausted_class not a dotted path (nothing is written).
 ]]
 local queued_key = KEYS[1]
-local processing_key = KEYS[2]
-local leases_key = KEYS[3]
-local dead_key = KEYS[4]
-local wake_key = KEYS[5]
-local job_prefix = KEYS[6]
-local landing_key = KEYS[7]
-local bands_key = KEYS[8]
-local band_prefix = KEYS[9]
-local share_key = KEYS[10]
-local strays_key = KEYS[11]
+local leases_key = KEYS[2]
+local dead_key = KEYS[3]
+local wake_key = KEYS[4]
+local job_prefix = KEYS[5]
+local landing_key = KEYS[6]
+local bands_key = KEYS[7]
+local band_prefix = KEYS[8]
+local share_key = KEYS[9]
+local strays_key = KEYS[10]
 
 --- @include "wake_marker"
 
@@ -130,15 +132,14 @@ local deadline_ms = now + lease_ms
 local ids = {}
 -- The band each id was taken from (by index in ids; absent: 0).
 local came_from = {}
--- Stamping a moved id that is back on queued would leave a running job off
--- processing, out of recover's reach: only one still on landing is taken.
+-- A moved id that is back on queued (a sweep requeued it as an orphan while
+-- the worker stalled) is not taken: that copy is the one to run.
 if moved_id ~= '' and redis.call('LREM', landing_key, 1, moved_id) > 0 then
-  redis.call('LPUSH', processing_key, moved_id)
   ids[1] = moved_id
 end
--- Move up to n (>= 1) ids from the right of a band's list (queued for 0)
--- onto processing, the same atomic move as LMOVE for many ids at once;
--- returns how many.
+-- Take up to n (>= 1) ids from the right of a band's list (queued for 0);
+-- the loop below leases each one (or drops or buries it) before the script
+-- ends; returns how many.
 local function take(band, n)
   local taken
   if band == 0 then
@@ -153,11 +154,6 @@ local function take(band, n)
     end
   end
   if #taken > 0 then
-    -- unpack() has a stack limit (about 8,000 values): push in chunks. A
-    -- script that fails half-way is not rolled back.
-    for i = 1, #taken, 1000 do
-      redis.call('LPUSH', processing_key, unpack(taken, i, math.min(i + 999, #taken)))
-    end
     for i = #taken, 1, -1 do
       ids[#ids + 1] = taken[i]
       if band ~= 0 then
@@ -236,39 +232,37 @@ end
 local jobs, dead, garbage, lease_args = {}, {}, {}, {}
 for index, job_id in ipairs(ids) do
   local job_key = job_prefix .. job_id
-  local job = redis.call('HMGET', job_key, 'state', 'attempts', 'max_attempts', 'payload', 'gen',
-    'ready_ms', 'enqueued_ms', 'priority')
+  -- pcall: a key of another type under a job's name (written by hand) makes
+  -- HMGET fail; the id is then garbage like one with a damaged hash, instead
+  -- of an error that would end this script after the ids left queued.
+  local job = redis.pcall('HMGET', job_key, 'state', 'attempts', 'max_attempts', 'payload',
+    'gen', 'ready_ms', 'enqueued_ms', 'priority')
+  if job.err then
+    job = {}
+  end
   local gen = count_of(job[5], 0)
   if job[1] == false and consume_stray(job_id) then
-    -- A copy left behind by a reprioritize whose job has finished since.
-    redis.call('LREM', processing_key, 1, job_id)
+    -- A copy left behind by a reprioritize whose job has finished since:
+    -- dropped (consume_stray counted it).
   elseif job[1] == 'queued' and band_of(job[8]) ~= (came_from[index] or 0) then
     -- A copy left behind by a reprioritize: the job waits on another band.
-    redis.call('LREM', processing_key, 1, job_id)
     consume_stray(job_id)
   elseif not KNOWN_STATES[job[1]] then
     -- No hash, or a damaged one: the database still has the job, and
     -- reconcile pushes it again once its hash is gone.
-    redis.call('LREM', processing_key, 1, job_id)
     redis.call('DEL', job_key)
     redis.call('ZADD', dead_key, now, job_id)
     garbage[#garbage + 1] = job_id
   elseif job[1] == 'cancelled' then
-    redis.call('LREM', processing_key, 1, job_id)
     redis.call('DEL', job_key)
   elseif job[1] ~= 'queued' then
-    -- A stray second copy of a job that lives elsewhere: drop this copy,
-    -- unless it is the only copy of a running job on processing.
-    if job[1] ~= 'running'
-        or #redis.call('LPOS', processing_key, job_id, 'COUNT', 2) > 1 then
-      redis.call('LREM', processing_key, 1, job_id)
-      consume_stray(job_id)
-    end
+    -- A stray second copy of a job that lives elsewhere (a running job's
+    -- record is its lease): dropped.
+    consume_stray(job_id)
   else
     local attempts = count_of(job[2], 0)
     local max_attempts = count_of(job[3], 1)
     if attempts >= max_attempts then
-      redis.call('LREM', processing_key, 1, job_id)
       redis.call('ZADD', dead_key, now, job_id)
       redis.call('HSET', job_key, 'state', 'dead', 'finished_ms', now, 'last_error',
         exhausted_class .. ': claimed ' .. attempts .. ' of ' .. max_attempts ..

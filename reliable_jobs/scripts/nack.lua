@@ -2,14 +2,13 @@
   nack: a job's attempt failed; retry it later or bury it, fenced.
 
   KEYS[1] queued      list   ids ready to run
-  KEYS[2] processing  list   ids claimed and not yet acked
-  KEYS[3] leases      zset   id -> lease deadline (ms)
-  KEYS[4] scheduled   zset   id -> due time (ms)
-  KEYS[5] dead        zset   id -> time of death (ms)
-  KEYS[6] wake        list   at most one marker, pushed when work arrives
-  KEYS[7] job prefix  string job hashes are KEYS[7] .. id (same {queue} slot)
-  KEYS[8] bands       zset   non-zero priorities with a non-empty band list
-  KEYS[9] band prefix string the list of priority p is KEYS[9] .. p
+  KEYS[2] leases      zset   id -> lease deadline (ms): the in-flight index
+  KEYS[3] scheduled   zset   id -> due time (ms)
+  KEYS[4] dead        zset   id -> time of death (ms)
+  KEYS[5] wake        list   at most one marker, pushed when work arrives
+  KEYS[6] job prefix  string job hashes are KEYS[6] .. id (same {queue} slot)
+  KEYS[7] bands       zset   non-zero priorities with a non-empty band list
+  KEYS[8] band prefix string the list of priority p is KEYS[8] .. p
 
   ARGV, repeated in groups of five, one per failed attempt:
     id        job id
@@ -34,14 +33,13 @@
   Errors: ARGV not in groups of five (nothing is written).
 ]]
 local queued_key = KEYS[1]
-local processing_key = KEYS[2]
-local leases_key = KEYS[3]
-local scheduled_key = KEYS[4]
-local dead_key = KEYS[5]
-local wake_key = KEYS[6]
-local job_prefix = KEYS[7]
-local bands_key = KEYS[8]
-local band_prefix = KEYS[9]
+local leases_key = KEYS[2]
+local scheduled_key = KEYS[3]
+local dead_key = KEYS[4]
+local wake_key = KEYS[5]
+local job_prefix = KEYS[6]
+local bands_key = KEYS[7]
+local band_prefix = KEYS[8]
 
 --- @include "wake_marker"
 --- @include "fence"
@@ -80,7 +78,6 @@ for i = 1, #ARGV, 5 do
   local error_text = ARGV[i + 4]
   local job = redis.call('HMGET', job_key, 'state', 'attempts', 'gen', 'cancel', 'priority')
   if holds(job, ARGV[i + 1], ARGV[i + 2]) then
-    redis.call('LREM', processing_key, -1, job_id)
     redis.call('ZREM', leases_key, job_id)
     if job[4] then
       redis.call('DEL', job_key)

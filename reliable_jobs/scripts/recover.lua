@@ -2,16 +2,16 @@
   recover: put jobs whose lease expired back on queued (or bury them).
 
   KEYS[1] queued      list   ids ready to run (the oldest on the right)
-  KEYS[2] processing  list   ids claimed and not yet acked
-  KEYS[3] leases      zset   id -> lease deadline (ms, server clock)
+  KEYS[2] processing  list   legacy: where 0.1 kept claimed ids (drained here)
+  KEYS[3] leases      zset   id -> lease deadline (ms, server clock): the
+                             in-flight index
   KEYS[4] dead        zset   id -> time of death (ms)
   KEYS[5] wake        list   at most one marker, pushed when work arrives
   KEYS[6] job prefix  string job hashes are KEYS[6] .. id (same {queue} slot)
   KEYS[7] landing     list   ids moved off queued by BLMOVE, not yet stamped
-  KEYS[8] scan        string where the walk over processing resumes
-  KEYS[9] bands       zset   non-zero priorities with a non-empty band list
-  KEYS[10] band prefix string the list of priority p is KEYS[10] .. p
-  KEYS[11] strays     zset   id -> copies reprioritize.lua left on a band
+  KEYS[8] bands       zset   non-zero priorities with a non-empty band list
+  KEYS[9] band prefix string the list of priority p is KEYS[9] .. p
+  KEYS[10] strays     zset   id -> copies reprioritize.lua left on a band
 
   ARGV[1] limit         expired leases handled per call at most
   ARGV[2] lease_ms      lease given to an id found on landing without one
@@ -57,9 +57,10 @@
   back when that expires without being charged an attempt: its state is
   still 'queued' because no claim ever ran. Landing holds only ids between
   a BLMOVE and the claim that follows it, so this costs the same however
-  many jobs are in flight. An id on processing without a lease (written
-  there by hand, or left by a script that failed half-way) is found by a
-  walk over processing, 100 ids per call, and stamped the same way.
+  many jobs are in flight. An id on the legacy processing list (where
+  version 0.1 kept claimed ids; left there by an upgrade, or written there
+  by hand) is moved into leases, 100 ids per call, with a first lease when
+  it has none, and is recovered like any other when that expires.
 
   An id with no job hash is garbage and goes to dead; so does one whose hash
   is damaged (no state, or a state no script writes), and that hash is
@@ -74,7 +75,8 @@
   ('dropped'), not buried as garbage.
 
   Safe to run concurrently with itself, workers and other sweeps: each step
-  is one atomic script, and an id is acted on only if LREM found it.
+  is one atomic script, and an id is acted on only while its expired lease
+  is in leases (an ack or a newer claim takes it out or moves it on).
 
   Returns: { outcomes, stamped }
     outcomes  flat list: id, attempts, max_attempts, kind, gen per handled
@@ -96,10 +98,9 @@ local dead_key = KEYS[4]
 local wake_key = KEYS[5]
 local job_prefix = KEYS[6]
 local landing_key = KEYS[7]
-local scan_key = KEYS[8]
-local bands_key = KEYS[9]
-local band_prefix = KEYS[10]
-local strays_key = KEYS[11]
+local bands_key = KEYS[8]
+local band_prefix = KEYS[9]
+local strays_key = KEYS[10]
 
 --- @include "wake_marker"
 --- @include "fence"
@@ -110,8 +111,8 @@ local strays_key = KEYS[11]
 
 --- @include "band_push"
 
--- Ids of processing inspected per call for a missing lease.
-local SCAN_SLICE = 100
+-- Ids moved off the legacy processing list per call.
+local LEGACY_SLICE = 100
 
 -- A whole number from ARGV, or an error reply before anything is written.
 local function whole(value, name)
@@ -177,7 +178,6 @@ for i = 7, listed_from - 1, 5 do
       and deadline and deadline <= now
       and (final == 'succeeded' or final == 'dead' or final == 'cancelled') then
     redis.call('ZREM', leases_key, job_id)
-    redis.call('LREM', processing_key, -1, job_id)
     if final == 'cancelled' then
       redis.call('DEL', job_key)
       redis.call('HSET', job_key, 'state', 'cancelled', 'gen', gen)
@@ -201,8 +201,8 @@ local function held_back(job_id)
   if started_mode == 'all' then
     return false
   end
-  local job = redis.call('HMGET', job_prefix .. job_id, 'state', 'attempts', 'started', 'gen')
-  if job[1] ~= 'running' or not job[2] or job[3] ~= job[2] then
+  local job = redis.pcall('HMGET', job_prefix .. job_id, 'state', 'attempts', 'started', 'gen')
+  if job.err or job[1] ~= 'running' or not job[2] or job[3] ~= job[2] then
     return false
   end
   return allowed[job_id] ~= job[2] .. ':' .. (job[4] or '0')
@@ -212,52 +212,54 @@ local expired = redis.call('ZRANGEBYSCORE', leases_key, '-inf', now, 'LIMIT', 0,
 for _, job_id in ipairs(expired) do
   if not held_back(job_id) then
     redis.call('ZREM', leases_key, job_id)
-    -- Landing holds a few ids at most: look there first, so requeuing an
-    -- orphan never walks the whole of processing.
-    if redis.call('LREM', landing_key, 1, job_id) > 0
-        or redis.call('LREM', processing_key, -1, job_id) > 0 then
-      local job_key = job_prefix .. job_id
-      local job = redis.call('HMGET', job_key, 'state', 'attempts', 'max_attempts', 'started', 'gen',
-        'cancel', 'priority')
-      local attempts = count_of(job[2], 0)
-      local max_attempts = count_of(job[3], 1)
-      local kind
-      if job[1] == false and consume_stray(job_id) then
-        kind = 'dropped'
-      elseif not KNOWN_STATES[job[1]] then
-        kind = 'garbage'
-        redis.call('DEL', job_key)
-        redis.call('ZADD', dead_key, now, job_id)
-      elseif job[1] == 'running' and job[6] then
-        kind = 'cancelled'
-        redis.call('DEL', job_key)
-        redis.call('HSET', job_key, 'state', 'cancelled', 'gen', job[5] or '0')
-        redis.call('PEXPIRE', job_key, tombstone_ms)
-      elseif job[1] == 'running' and job[4] ~= job[2] then
-        kind = 'unstarted'
-        max_attempts = math.min(max_attempts + 1, MAX_COUNT)
-        redis.call('HSET', job_key, 'state', 'queued', 'max_attempts', max_attempts)
-        push_band_next(job_id, band_of(job[7]))
-        requeued = requeued + 1
-      elseif job[1] == 'running' and attempts >= max_attempts then
-        kind = 'dead'
-        redis.call('ZADD', dead_key, now, job_id)
-        redis.call('HSET', job_key, 'state', 'dead', 'finished_ms', now, 'last_error',
-          expired_class .. ': the lease of attempt ' .. attempts
-          .. ' of ' .. max_attempts .. ' expired (worker lost or stalled) and no attempt is left')
-      elseif job[1] == 'running' or job[1] == 'queued' then
-        if job[1] == 'running' then kind = 'expired' else kind = 'orphan' end
-        redis.call('HSET', job_key, 'state', 'queued')
-        push_band_next(job_id, band_of(job[7]))
-        requeued = requeued + 1
-      else
-        kind = 'dropped'
-        if job[1] == 'cancelled' then
-          redis.call('DEL', job_key)  -- no copy of it is left to drop it later
-        end
-      end
-      report(job_id, attempts, max_attempts, kind, count_of(job[5], 0))
+    -- An orphan leased on landing leaves it (landing holds a few ids at most).
+    redis.call('LREM', landing_key, 1, job_id)
+    local job_key = job_prefix .. job_id
+    -- pcall: a key of another type under a job's name (written by hand) is
+    -- garbage like a damaged hash, not an error that stops every pass here.
+    local job = redis.pcall('HMGET', job_key, 'state', 'attempts', 'max_attempts', 'started',
+      'gen', 'cancel', 'priority')
+    if job.err then
+      job = {}
     end
+    local attempts = count_of(job[2], 0)
+    local max_attempts = count_of(job[3], 1)
+    local kind
+    if job[1] == false and consume_stray(job_id) then
+      kind = 'dropped'
+    elseif not KNOWN_STATES[job[1]] then
+      kind = 'garbage'
+      redis.call('DEL', job_key)
+      redis.call('ZADD', dead_key, now, job_id)
+    elseif job[1] == 'running' and job[6] then
+      kind = 'cancelled'
+      redis.call('DEL', job_key)
+      redis.call('HSET', job_key, 'state', 'cancelled', 'gen', job[5] or '0')
+      redis.call('PEXPIRE', job_key, tombstone_ms)
+    elseif job[1] == 'running' and job[4] ~= job[2] then
+      kind = 'unstarted'
+      max_attempts = math.min(max_attempts + 1, MAX_COUNT)
+      redis.call('HSET', job_key, 'state', 'queued', 'max_attempts', max_attempts)
+      push_band_next(job_id, band_of(job[7]))
+      requeued = requeued + 1
+    elseif job[1] == 'running' and attempts >= max_attempts then
+      kind = 'dead'
+      redis.call('ZADD', dead_key, now, job_id)
+      redis.call('HSET', job_key, 'state', 'dead', 'finished_ms', now, 'last_error',
+        expired_class .. ': the lease of attempt ' .. attempts
+        .. ' of ' .. max_attempts .. ' expired (worker lost or stalled) and no attempt is left')
+    elseif job[1] == 'running' or job[1] == 'queued' then
+      if job[1] == 'running' then kind = 'expired' else kind = 'orphan' end
+      redis.call('HSET', job_key, 'state', 'queued')
+      push_band_next(job_id, band_of(job[7]))
+      requeued = requeued + 1
+    else
+      kind = 'dropped'
+      if job[1] == 'cancelled' then
+        redis.call('DEL', job_key)  -- no copy of it is left to drop it later
+      end
+    end
+    report(job_id, attempts, max_attempts, kind, count_of(job[5], 0))
   end
 end
 
@@ -266,21 +268,11 @@ if limit > 0 then
   for _, job_id in ipairs(redis.call('LRANGE', landing_key, 0, limit - 1)) do
     stamped = stamped + redis.call('ZADD', leases_key, 'NX', now + lease_ms, job_id)
   end
-  -- Every id on processing has a lease (claim.lua stamps it in the same
-  -- step), unless someone wrote there by hand or a script failed half-way.
-  -- A cursor walks processing a slice per call and stamps such ids, so they
-  -- are recovered too, at a cost that does not grow with the jobs in flight.
-  local cursor = tonumber(redis.call('GET', scan_key)) or 0
-  local slice = redis.call('LRANGE', processing_key, cursor, cursor + SCAN_SLICE - 1)
-  for _, job_id in ipairs(slice) do
+  -- The legacy processing list, a slice per call: each id moves into
+  -- leases (keeping a lease it has), so it is recovered when that expires.
+  for _, job_id in ipairs(redis.call('LPOP', processing_key, LEGACY_SLICE) or {}) do
     stamped = stamped + redis.call('ZADD', leases_key, 'NX', now + lease_ms, job_id)
   end
-  if #slice < SCAN_SLICE then
-    cursor = 0
-  else
-    cursor = cursor + SCAN_SLICE
-  end
-  redis.call('SET', scan_key, cursor)
 end
 
 if requeued > 0 then

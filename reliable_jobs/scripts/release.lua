@@ -2,12 +2,11 @@
   release: on graceful shutdown, hand a worker's jobs straight back.
 
   KEYS[1] queued      list   ids ready to run (the oldest on the right)
-  KEYS[2] processing  list   ids claimed and not yet acked
-  KEYS[3] leases      zset   id -> lease deadline (ms)
-  KEYS[4] wake        list   at most one marker, pushed when work arrives
-  KEYS[5] job prefix  string job hashes are KEYS[5] .. id (same {queue} slot)
-  KEYS[6] bands       zset   non-zero priorities with a non-empty band list
-  KEYS[7] band prefix string the list of priority p is KEYS[7] .. p
+  KEYS[2] leases      zset   id -> lease deadline (ms): the in-flight index
+  KEYS[3] wake        list   at most one marker, pushed when work arrives
+  KEYS[4] job prefix  string job hashes are KEYS[4] .. id (same {queue} slot)
+  KEYS[5] bands       zset   non-zero priorities with a non-empty band list
+  KEYS[6] band prefix string the list of priority p is KEYS[6] .. p
 
   ARGV, repeated in groups of four:
     id        job id
@@ -29,12 +28,11 @@
   Errors: ARGV not in groups of four (nothing is written).
 ]]
 local queued_key = KEYS[1]
-local processing_key = KEYS[2]
-local leases_key = KEYS[3]
-local wake_key = KEYS[4]
-local job_prefix = KEYS[5]
-local bands_key = KEYS[6]
-local band_prefix = KEYS[7]
+local leases_key = KEYS[2]
+local wake_key = KEYS[3]
+local job_prefix = KEYS[4]
+local bands_key = KEYS[5]
+local band_prefix = KEYS[6]
 
 --- @include "wake_marker"
 --- @include "fence"
@@ -64,14 +62,12 @@ for i = 1, #ARGV, 4 do
   local job = redis.call('HMGET', job_key, 'state', 'attempts', 'gen', 'cancel', 'priority')
   if holds(job, ARGV[i + 1], ARGV[i + 2])
       and job[4] then
-    redis.call('LREM', processing_key, -1, job_id)
     redis.call('ZREM', leases_key, job_id)
     redis.call('DEL', job_key)
     redis.call('HSET', job_key, 'state', 'cancelled', 'gen', job[3] or '0')
     redis.call('PEXPIRE', job_key, CANCELLED_TOMBSTONE_MS)
     results[#results + 1] = 2
   elseif holds(job, ARGV[i + 1], ARGV[i + 2]) then
-    redis.call('LREM', processing_key, -1, job_id)
     redis.call('ZREM', leases_key, job_id)
     if ARGV[i + 3] == '0' then
       local max_attempts = count_of(redis.call('HGET', job_key, 'max_attempts'), 1)

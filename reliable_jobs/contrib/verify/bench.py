@@ -230,7 +230,7 @@ def measure_ack_cost(backend: ReliableJobsBackend, queue: str, *, in_flight: int
     """Microseconds of ack per job while ``in_flight`` jobs are claimed and unacked.
 
     ``ACK_WORKERS`` simulated workers claim every job (``ACK_CLAIM_BATCH`` per
-    claim, as a worker with a large prefetch does), so ``processing`` holds
+    claim, as a worker with a large prefetch does), so the leases set holds
     them all; then ``sample`` of them, spread evenly over the workers and
     taken in each worker's claim order, are acked ``ACK_BATCH`` per call and
     timed. The rest are acked afterwards (not timed) and the rows deleted.
@@ -294,11 +294,10 @@ def measure_many_queues(backend: ReliableJobsBackend, queue: str, *, jobs: int, 
             rates.append(jobs / timed(worker.run))
             delete_rows(backend, task_path=task.module_path)
     finally:
-        # The sweep leaves its cursor (and maybe a wake marker) per queue it served.
+        # The worker may leave a wake marker per queue it served.
         broker = backend.broker
         for start in range(0, len(idle), 100):
-            broker.client.delete(*(key for name in idle[start:start + 100]
-                                   for key in (broker.keys(name).scan, broker.keys(name).wake)))
+            broker.client.delete(*(broker.keys(name).wake for name in idle[start:start + 100]))
     return rates[0], rates[1]
 
 

@@ -148,7 +148,7 @@ class ChaosCounting:
                 state__in=(JobState.SUCCEEDED, JobState.DEAD))[:10]
         ][:10]
         return (f"job states {dict(states)}; Redis: {counts.queued} queued, {counts.running} "
-                f"processing, {counts.scheduled} scheduled, "
+                f"running, {counts.scheduled} scheduled, "
                 f"{lease_count(self.backend.broker, self.queue)} leases; first unfinished: "
                 + ("; ".join(stuck) or "none"))
 
