@@ -350,7 +350,7 @@ def test_claim_moves_an_id_with_no_job_hash_aside(broker: Broker) -> None:
     # When a worker claims both
     result = broker.claim(Q, count=5, lease_ms=LONG_LEASE_MS)
 
-    # Then the ghost is reported as garbage, put in dead, and off processing
+    # Then the ghost is reported as garbage, put in dead, and never leased
     assert result.garbage == ["ghost"]
     assert [j.id for j in result.jobs] == ["real"]
     assert "ghost" in dead(broker)
@@ -849,6 +849,43 @@ def test_recover_leases_an_orphan_then_requeues_it_without_charging(broker: Brok
     assert claim_one(broker).attempt == 1
 
 
+@pytest.mark.parametrize("value", ["a string", ["a", "list"]], ids=["string", "list"])
+def test_a_key_of_another_type_under_a_jobs_name_is_garbage_not_an_error(
+    broker: Broker, value: str | list[str]
+) -> None:
+    # Given two real jobs and, queued between them, an id whose job key is not
+    # a hash (written by hand: HMGET on it fails with WRONGTYPE)
+    enqueue(broker, "first")
+    key = broker.keys(Q).job("odd")
+    if isinstance(value, str):
+        broker.client.set(key, value)
+    else:
+        broker.client.rpush(key, *value)
+    broker.client.lpush(broker.keys(Q).queued, "odd")
+    enqueue(broker, "last")
+
+    # When a worker claims them all
+    result = broker.claim(Q, count=5, lease_ms=SHORT_LEASE_MS)
+
+    # Then the claim does not fail half-way: both jobs are leased, the odd id
+    # is garbage, put in dead, and its key deleted (reconcile rebuilds the job
+    # from its row, if it has one)
+    assert [j.id for j in result.jobs] == ["first", "last"]
+    assert result.garbage == ["odd"]
+    assert "odd" in dead(broker) and not broker.client.exists(key)
+    assert sorted(in_flight(broker)) == ["first", "last"]
+
+    # And given such a key under the name of a job in flight, the sweep
+    # buries it as garbage too, and goes on with the other expired leases
+    broker.client.delete(broker.keys(Q).job("first"))
+    broker.client.set(broker.keys(Q).job("first"), "not a hash")
+    wait_past(broker, max(leases(broker).values()))
+    recovered = broker.recover(Q, lease_ms=SHORT_LEASE_MS)
+    assert {(o.id, o.kind) for o in recovered.outcomes} == {("first", "garbage"),
+                                                             ("last", "unstarted")}
+    assert queued(broker) == ["last"]
+
+
 def test_recover_moves_garbage_on_landing_aside(broker: Broker) -> None:
     # Given an id on landing whose job hash does not exist
     broker.client.lpush(broker.keys(Q).landing, "ghost")
@@ -865,8 +902,8 @@ def test_recover_moves_garbage_on_landing_aside(broker: Broker) -> None:
         [], [], {}, [])
 
 
-def test_recover_moves_garbage_on_processing_aside(broker: Broker) -> None:
-    # Given a claimed job whose hash was lost while its id sat on processing
+def test_recover_moves_garbage_in_flight_aside(broker: Broker) -> None:
+    # Given a claimed job whose hash was lost while it was in flight
     enqueue(broker, "ghost")
     claim_one(broker, lease_ms=SHORT_LEASE_MS)
     broker.client.delete(broker.keys(Q).job("ghost"))
@@ -875,7 +912,7 @@ def test_recover_moves_garbage_on_processing_aside(broker: Broker) -> None:
     wait_past(broker, leases(broker)["ghost"])
     result = broker.recover(Q, lease_ms=SHORT_LEASE_MS)
 
-    # Then it is reported as garbage, put in dead, and removed from processing
+    # Then it is reported as garbage, put in dead, and its lease removed
     assert result.outcomes == [RecoveredJob("ghost", 0, "garbage")]
     assert "ghost" in dead(broker)
     assert (in_flight(broker), leases(broker), queued(broker)) == ([], {}, [])
