@@ -23,7 +23,7 @@ from django.db import close_old_connections, connection, transaction
 from django.utils import timezone
 
 from reliable_jobs import mirror
-from reliable_jobs.broker import Broker, ClaimedJob
+from reliable_jobs.broker import Broker, ClaimedJob, NewJob
 from reliable_jobs.compat import task_backends
 from reliable_jobs.keys import QueueKeys
 from reliable_jobs.mirror import AttemptRecord
@@ -226,25 +226,29 @@ def test_a_holder_from_before_redis_lost_the_job_is_refused_after_the_rebuild(
     assert broker.ack("default", [fresh.fence]) == [True]
 
 
+def rebuilt_after_a_loss(redis_client: redis.Redis) -> tuple[Broker, Any]:
+    """Enqueue a job, lose Redis, and let reconcile rebuild it (generation 1)."""
+    backend = task_backends["default"]
+    result = demo.add.enqueue(1, 2)
+    redis_client.flushdb()
+    backdate(result.id)
+    assert Sweep(backend).reconcile().pushed == 1
+    return backend.broker, result
+
+
 def test_a_late_push_from_before_a_rebuild_does_not_run_the_job_again(
     rj_settings: Any, redis_client: redis.Redis
 ) -> None:
     # Given: a job reconcile rebuilt (its on-commit push had not arrived),
     # which then ran and was acked
     rj_settings()
-    backend = task_backends["default"]
-    broker: Broker = backend.broker
-    result = demo.add.enqueue(1, 2)
-    redis_client.flushdb()
-    backdate(result.id)
-    assert Sweep(backend).reconcile().pushed == 1
+    broker, result = rebuilt_after_a_loss(redis_client)
     job = broker.claim("default", count=1, lease_ms=60_000).jobs[0]
     mirror.record("default", [success(job)])
     assert broker.ack("default", [job.fence]) == [True]
 
     # When: the original push (generation 0) arrives late
     row = Job.objects.get(pk=result.id)
-    from reliable_jobs.broker import NewJob
     written = broker.enqueue("default", [NewJob(str(row.pk), '{"task":"x"}', 3)])
 
     # Then: it is refused, and nothing is left to claim
@@ -258,17 +262,11 @@ def test_a_death_of_a_late_push_after_two_losses_of_redis_is_mirrored(
     # Given: a job reconcile rebuilt (generation 1) after Redis lost it, and
     # Redis then lost it again
     rj_settings()
-    backend = task_backends["default"]
-    broker: Broker = backend.broker
-    result = demo.add.enqueue(1, 2)
-    redis_client.flushdb()
-    backdate(result.id)
-    assert Sweep(backend).reconcile().pushed == 1
+    broker, result = rebuilt_after_a_loss(redis_client)
     redis_client.flushdb()
     # and the original push (generation 0) arrives late, so that incarnation
     # runs and fails for good: the mirror refuses its record (an older
     # generation than the row's), Redis buries it
-    from reliable_jobs.broker import NewJob
     assert broker.enqueue("default", [NewJob(result.id, '{"task":"x"}', 3)]) == 1
     job = broker.claim("default", count=1, lease_ms=60_000).jobs[0]
     assert (job.gen, broker.start("default", [job.fence])) == (0, [True])
@@ -282,7 +280,7 @@ def test_a_death_of_a_late_push_after_two_losses_of_redis_is_mirrored(
 
     # When: reconcile looks at the row
     backdate(result.id)
-    Sweep(backend).reconcile()
+    Sweep(task_backends["default"]).reconcile()
 
     # Then: the death Redis recorded is the job's outcome; the row is not left
     # unfinished for ever behind a hash that reconcile would never rebuild
