@@ -58,6 +58,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("reliable_jobs")
 
+#: The status of a job just enqueued, queued or scheduled (``models.TASK_STATUS``).
+NEW_JOB_STATUS = TaskResultStatus.READY
+
 
 class ReliableJobsBackend(BaseTaskBackend):
     """Redis lists for speed, the database for durability; see docs/design.md."""
@@ -170,7 +173,7 @@ class ReliableJobsBackend(BaseTaskBackend):
         new_job = NewJob(job_id, text, max_attempts, epoch_ms(task.run_after),
                          priority=task.priority)
         transaction.on_commit(lambda: self._push(physical, [new_job]), using=self.database)
-        result = task_result(task, job_id=job_id, status=_status(new.state), args=args,
+        result = task_result(task, job_id=job_id, status=NEW_JOB_STATUS, args=args,
                              kwargs=kwargs, backend=self.alias, enqueued_at=now)
         task_enqueued.send(type(self), task_result=result)
         return result
@@ -179,13 +182,10 @@ class ReliableJobsBackend(BaseTaskBackend):
                   rows: Iterable[tuple[str, int, str, str]]) -> NewJobs:
         """The mirror's rows of an enqueue of ``task``: queued, or scheduled when deferred."""
         from . import mirror  # see enqueue()
-        from .models import JobState
 
-        deferred = task.run_after is not None and task.run_after > now
-        return mirror.NewJobs(
-            backend=self.alias, queue=task.queue_name, task_path=task.module_path,
-            priority=task.priority, state=JobState.SCHEDULED if deferred else JobState.QUEUED,
-            max_attempts=max_attempts, run_after=task.run_after, enqueued_at=now, rows=rows)
+        return mirror.NewJobs.at(now, backend=self.alias, queue=task.queue_name,
+                                 task_path=task.module_path, priority=task.priority,
+                                 max_attempts=max_attempts, run_after=task.run_after, rows=rows)
 
     def enqueue_many(
         self, task: Task[..., Any], calls: Iterable[tuple[Sequence[Any], dict[str, Any]]]
@@ -230,7 +230,7 @@ class ReliableJobsBackend(BaseTaskBackend):
         pushes = by_shard[shard_queue(task.queue_name, 0)]  # every job's, without shards
         priority = task.priority
         new = self._new_jobs(task, now=now, max_attempts=max_attempts, rows=())
-        stamp = ResultStamp(task_result(task, job_id="", status=_status(new.state), args=[],
+        stamp = ResultStamp(task_result(task, job_id="", status=NEW_JOB_STATUS, args=[],
                                         kwargs={}, backend=self.alias, enqueued_at=now))
 
         def rows() -> Iterator[tuple[str, int, str, str]]:
@@ -415,13 +415,6 @@ class ReliableJobsBackend(BaseTaskBackend):
         from .checks import check_backend  # see the module docstring
 
         return check_backend(self)
-
-
-def _status(state: str) -> TaskResultStatus:
-    """The ``TaskResult`` status of a job in ``state``."""
-    from .models import TASK_STATUS, JobState  # see the module docstring
-
-    return TASK_STATUS[JobState(state)]
 
 
 #: Django's own receiver of ``task_enqueued`` (``django.tasks.signals``, or the

@@ -24,7 +24,7 @@ from django.db.models import F
 from django.utils import timezone
 
 from reliable_jobs import payload
-from reliable_jobs.backend import ReliableJobsBackend
+from reliable_jobs.backend import NEW_JOB_STATUS, ReliableJobsBackend
 from reliable_jobs.compat import (
     TASKS_LOGGER,
     InvalidTask,
@@ -37,7 +37,7 @@ from reliable_jobs.compat import (
     task_enqueued,
 )
 from reliable_jobs.exceptions import InvalidJobArguments, PayloadTooLarge
-from reliable_jobs.models import Attempt, AttemptOutcome, Job, JobState
+from reliable_jobs.models import TASK_STATUS, Attempt, AttemptOutcome, Job, JobState
 from reliable_jobs.sweep import Sweep
 from tests import tasks as test_tasks
 
@@ -547,6 +547,11 @@ def test_every_job_state_has_a_mapping() -> None:
     assert {s.value for s in JobState} == {
         "scheduled", "queued", "running", "succeeded", "dead", "cancelled",
     }
+
+
+def test_enqueue_reports_the_status_of_a_queued_or_scheduled_job() -> None:
+    # Then: the status enqueue gives every new job is the one both new states map to
+    assert {TASK_STATUS[JobState.QUEUED], TASK_STATUS[JobState.SCHEDULED]} == {NEW_JOB_STATUS}
 
 
 @pytest.mark.django_db

@@ -95,6 +95,16 @@ class NewJobs:
     enqueued_at: datetime
     rows: Iterable[tuple[str, int, str, str]]
 
+    @classmethod
+    def at(cls, now: datetime, *, backend: str, queue: str, task_path: str, priority: int,
+           max_attempts: int, run_after: datetime | None,
+           rows: Iterable[tuple[str, int, str, str]]) -> NewJobs:
+        """The rows of an enqueue at ``now``: scheduled while ``run_after`` is later, or queued."""
+        deferred = run_after is not None and run_after > now
+        return cls(backend=backend, queue=queue, task_path=task_path, priority=priority,
+                   state=JobState.SCHEDULED if deferred else JobState.QUEUED,
+                   max_attempts=max_attempts, run_after=run_after, enqueued_at=now, rows=rows)
+
 
 def expired_record(job_id: str, attempts: int, *, dead: bool, error: str,
                    gen: int = 0) -> AttemptRecord:
