@@ -20,7 +20,7 @@ import random
 import uuid
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import fields
+from dataclasses import fields, replace
 from datetime import datetime
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -36,6 +36,7 @@ from django.utils.module_loading import import_string
 from . import conf, payload, telemetry, unique
 from .broker import REDIS_ERRORS, Broker, NewJob, epoch_ms
 from .compat import (
+    TASKS_LOGGER,
     BaseTaskBackend,
     InvalidTask,
     Task,
@@ -47,14 +48,18 @@ from .compat import (
 )
 from .keys import is_valid_queue_name, shard_queue
 from .reachability import ensure_reachable
-from .results import task_result
+from .results import ResultStamp, task_result
 from .tasks import ReliableTask, lookup
 
 if TYPE_CHECKING:
+    from .mirror import NewJobs
     from .models import Attempt, Job
     from .staff import StaffResult
 
 logger = logging.getLogger("reliable_jobs")
+
+#: The status of a job just enqueued, queued or scheduled (``models.TASK_STATUS``).
+NEW_JOB_STATUS = TaskResultStatus.READY
 
 
 class ReliableJobsBackend(BaseTaskBackend):
@@ -144,22 +149,43 @@ class ReliableJobsBackend(BaseTaskBackend):
         ensure_reachable(task)
         from . import mirror  # not at module level: see the module docstring
 
-        text = payload.encode(task.module_path, tuple(args), dict(kwargs),
-                              max_bytes=self.config.MAX_PAYLOAD_BYTES, trace=trace)
         now = timezone.now()
-        job = mirror_job(self.alias, task, args, kwargs,
-                         max_attempts=self.task_option(task, "max_attempts"), now=now,
-                         shard=self._pick_shard(task.queue_name))
-        new_job = NewJob(str(job.id), text, job.max_attempts, due_ms=epoch_ms(task.run_after),
-                         priority=task.priority)
+        max_attempts = self.task_option(task, "max_attempts")
         if getattr(task, "unique_for_ms", None) is not None:
+            text = payload.encode(task.module_path, tuple(args), dict(kwargs),
+                                  max_bytes=self.config.MAX_PAYLOAD_BYTES, trace=trace)
+            job = mirror_job(self.alias, task, args, kwargs, max_attempts=max_attempts, now=now,
+                             shard=self._pick_shard(task.queue_name))
+            new_job = NewJob(str(job.id), text, max_attempts, due_ms=epoch_ms(task.run_after),
+                             priority=task.priority)
             return self._enqueue_unique(task, [(job, new_job)], now=now)[0]
-        mirror.insert_job(self.database, job)
-        physical = job.physical_queue
+        # No model instance: the row goes to the mirror as the texts the
+        # payload was made of (as in enqueue_many), the result is built directly.
+        args, kwargs = list(args), dict(kwargs)
+        text, args_json, kwargs_json = payload.encode_call(
+            task.module_path, args, kwargs, max_bytes=self.config.MAX_PAYLOAD_BYTES, trace=trace)
+        job_id = str(uuid.uuid4())
+        shard = self._pick_shard(task.queue_name)
+        new = self._new_jobs(task, now=now, max_attempts=max_attempts,
+                             rows=[(job_id, shard, args_json, kwargs_json)])
+        mirror.insert_new_jobs(self.database, new)
+        physical = shard_queue(task.queue_name, shard)
+        new_job = NewJob(job_id, text, max_attempts, epoch_ms(task.run_after),
+                         priority=task.priority)
         transaction.on_commit(lambda: self._push(physical, [new_job]), using=self.database)
-        result = self._result(job, task)
+        result = task_result(task, job_id=job_id, status=NEW_JOB_STATUS, args=args,
+                             kwargs=kwargs, backend=self.alias, enqueued_at=now)
         task_enqueued.send(type(self), task_result=result)
         return result
+
+    def _new_jobs(self, task: Task[..., Any], *, now: datetime, max_attempts: int,
+                  rows: Iterable[tuple[str, int, str, str]]) -> NewJobs:
+        """The mirror's rows of an enqueue of ``task``: queued, or scheduled when deferred."""
+        from . import mirror  # see enqueue()
+
+        return mirror.NewJobs.at(now, backend=self.alias, queue=task.queue_name,
+                                 task_path=task.module_path, priority=task.priority,
+                                 max_attempts=max_attempts, run_after=task.run_after, rows=rows)
 
     def enqueue_many(
         self, task: Task[..., Any], calls: Iterable[tuple[Sequence[Any], dict[str, Any]]]
@@ -182,7 +208,6 @@ class ReliableJobsBackend(BaseTaskBackend):
         self.validate_task(task)
         ensure_reachable(task)
         from . import mirror  # see enqueue()
-        from .models import TASK_STATUS, JobState
 
         now = timezone.now()
         max_attempts = self.task_option(task, "max_attempts")
@@ -197,34 +222,43 @@ class ReliableJobsBackend(BaseTaskBackend):
                 made.append((job, NewJob(str(job.id), text, max_attempts, due_ms=due_ms,
                                          priority=task.priority)))
             return self._enqueue_unique(task, made, now=now)
-        state = (JobState.SCHEDULED if task.run_after is not None and task.run_after > now
-                 else JobState.QUEUED)
-        status = TASK_STATUS[state]
         encode = payload.CallEncoder(task.module_path, max_bytes=self.config.MAX_PAYLOAD_BYTES,
                                      trace=trace)
-        rows: list[tuple[str, int, str, str]] = []
         by_shard: dict[str, list[NewJob]] = defaultdict(list)
         results: list[TaskResult[..., Any]] = []
-        ids = _new_job_ids()
-        for call_args, call_kwargs in calls:
-            args, kwargs = list(call_args), dict(call_kwargs)
-            text, args_json, kwargs_json = encode(args, kwargs)
-            job_id = next(ids)
-            shard = self._pick_shard(task.queue_name)
-            rows.append((job_id, shard, args_json, kwargs_json))
-            by_shard[shard_queue(task.queue_name, shard)].append(
-                NewJob(job_id, text, max_attempts, due_ms, priority=task.priority))
-            results.append(task_result(task, job_id=job_id, status=status, args=args,
-                                       kwargs=kwargs, backend=self.alias, enqueued_at=now))
-        new = mirror.NewJobs(
-            backend=self.alias, queue=task.queue_name, task_path=task.module_path,
-            priority=task.priority, state=state, max_attempts=max_attempts,
-            run_after=task.run_after, enqueued_at=now, rows=rows)
+        shards = self.config.SHARDS.get(task.queue_name, 1)
+        pushes = by_shard[shard_queue(task.queue_name, 0)]  # every job's, without shards
+        priority = task.priority
+        new = self._new_jobs(task, now=now, max_attempts=max_attempts, rows=())
+        stamp = ResultStamp(task_result(task, job_id="", status=NEW_JOB_STATUS, args=[],
+                                        kwargs={}, backend=self.alias, enqueued_at=now))
+
+        def rows() -> Iterator[tuple[str, int, str, str]]:
+            # Each call is checked, encoded and given its push and result as
+            # the COPY takes its row, so PostgreSQL works through one chunk of
+            # rows while the next is made. A call that fails its check stops
+            # the COPY, and the transaction rolls back: nothing is written.
+            ids = _new_job_ids()
+            shard = 0
+            for call_args, call_kwargs in calls:
+                args, kwargs = list(call_args), dict(call_kwargs)
+                text, args_json, kwargs_json = encode(args, kwargs)
+                job_id = next(ids)
+                job = NewJob(job_id, text, max_attempts, due_ms, priority=priority)
+                if shards > 1:
+                    shard = random.randrange(shards)
+                    by_shard[shard_queue(task.queue_name, shard)].append(job)
+                else:
+                    pushes.append(job)
+                results.append(stamp(job_id, args, kwargs))
+                yield job_id, shard, args_json, kwargs_json
+
         with transaction.atomic(using=self.database):
-            mirror.insert_new_jobs(self.database, new)
-            self._push_on_commit(by_shard)
-        for result in results:
-            task_enqueued.send(type(self), task_result=result)
+            mirror.insert_new_jobs(self.database, replace(new, rows=rows()))
+            self._push_on_commit({queue: jobs for queue, jobs in by_shard.items() if jobs})
+        if _enqueued_observed(type(self)):
+            for result in results:
+                task_enqueued.send(type(self), task_result=result)
         return results
 
     def _enqueue_unique(self, task: Task[..., Any], made: list[tuple[Job, NewJob]], *,
@@ -381,6 +415,33 @@ class ReliableJobsBackend(BaseTaskBackend):
         from .checks import check_backend  # see the module docstring
 
         return check_backend(self)
+
+
+#: Django's own receiver of ``task_enqueued`` (``django.tasks.signals``, or the
+#: backport's ``django_tasks.signals``), which only logs at DEBUG.
+_FRAMEWORK_MODULES = frozenset({"django.tasks.signals", "django_tasks.signals"})
+
+
+def _enqueued_observed(sender: type) -> bool:
+    """Whether sending ``task_enqueued`` now would reach anyone.
+
+    Django always connects ``log_task_enqueued``, a DEBUG line on its tasks
+    logger, so ``has_listeners()`` is always true. A bulk enqueue sends one
+    signal per job (a tenth of its Python); when that receiver is the only
+    one and its logger drops DEBUG, nobody sees them, and they are skipped.
+    Asked once per ``enqueue_many``; a single enqueue always sends.
+    """
+    try:
+        # Private but stable since Django 5.0: the live (sync, async) receivers.
+        sync, asynchronous = task_enqueued._live_receivers(sender)
+    except Exception:  # another shape: send, as before
+        return True
+    framework_only = all(getattr(r, "__module__", None) in _FRAMEWORK_MODULES
+                         and getattr(r, "__name__", None) == "log_task_enqueued"
+                         for r in (*sync, *asynchronous))
+    return not framework_only or (
+        bool(sync or asynchronous)
+        and logging.getLogger(TASKS_LOGGER).isEnabledFor(logging.DEBUG))
 
 
 def _new_job_ids(batch: int = 1000) -> Iterator[str]:

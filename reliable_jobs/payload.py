@@ -142,18 +142,34 @@ def encode(task_path: str, args: tuple[Any, ...] | list[Any], kwargs: dict[str, 
     ``trace``, the enqueuer's traceparent (see tracing.py), is stored only
     when it is a well-formed one; the field is left out otherwise.
     """
+    return encode_call(task_path, args, kwargs, max_bytes=max_bytes, trace=trace)[0]
+
+
+def encode_call(task_path: str, args: tuple[Any, ...] | list[Any], kwargs: dict[str, Any],
+                *, max_bytes: int, trace: str | None = None) -> tuple[str, str, str]:
+    """:func:`encode`, returning (payload, args JSON, kwargs JSON).
+
+    The payload is joined from the two argument texts (the same text as
+    encoding the whole object: the encoder writes each member as it would
+    alone), so the mirror's ``args`` and ``kwargs`` columns take them as
+    they are instead of encoding the arguments a second time.
+    """
     if not is_task_path(task_path):
         raise InvalidTask(
             f"The task path {_shorten(task_path)} is not a dotted Python path of at most "
             f"{MAX_TASK_PATH} characters, so no worker could run it."
         )
-    check_call(args, kwargs)
-    data: dict[str, Any] = {"task": task_path, "args": list(args), "kwargs": kwargs}
-    if trace is not None and is_traceparent(trace):
-        data["trace"] = trace
-    text = _encoder.encode(data)
+    if not args and not kwargs:  # a call without arguments: nothing to check
+        args_json, kwargs_json = "[]", "{}"
+    else:
+        check_call(args, kwargs)
+        args_json, kwargs_json = _encoder.encode(list(args)), _encoder.encode(kwargs)
+    tail = (',"trace":' + _encoder.encode(trace)
+            if trace is not None and is_traceparent(trace) else "")
+    text = (f'{{"task":{_encoder.encode(task_path)},"args":{args_json},'
+            f'"kwargs":{kwargs_json}{tail}}}')
     _check_size(text, max_bytes)
-    return text
+    return text, args_json, kwargs_json
 
 
 def _check_size(text: str, max_bytes: int) -> None:

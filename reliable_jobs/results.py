@@ -11,10 +11,11 @@ field Django adds is added once.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import fields
 from datetime import datetime
 from typing import Any
 
-from .compat import Task, TaskError, TaskResult, TaskResultStatus
+from .compat import Task, TaskError, TaskResult, TaskResultStatus, normalize_json
 
 
 def task_result(task: Task[..., Any], *, job_id: str, status: TaskResultStatus,
@@ -30,3 +31,40 @@ def task_result(task: Task[..., Any], *, job_id: str, status: TaskResultStatus,
         finished_at=finished_at, last_attempted_at=last_attempted_at, args=args,
         kwargs=kwargs, backend=backend, errors=list(errors), worker_ids=list(worker_ids),
     )
+
+
+#: The fields :class:`ResultStamp` gives each result its own value of.
+_PER_JOB = frozenset({"id", "args", "kwargs", "errors", "worker_ids"})
+_new = object.__new__
+_set = object.__setattr__
+
+
+class ResultStamp:
+    """The ``TaskResult`` of each job of one bulk enqueue: equal to :func:`task_result`'s.
+
+    The results of one call differ only in id and arguments, and building
+    each through ``TaskResult()`` (its ``__post_init__`` runs
+    ``normalize_json`` over both argument containers even when they are
+    empty) was one of a bulk enqueue's largest costs. One result is built
+    the ordinary way as a template; each job's copies the template's fields
+    (so a field Django adds is copied, not forgotten) and gets its own id,
+    arguments and empty lists. Arguments are normalized as ``TaskResult``
+    does, skipped only when empty (where it would return an equal empty copy).
+    """
+
+    def __init__(self, template: TaskResult[..., Any]) -> None:
+        self._shared = [(f.name, getattr(template, f.name)) for f in fields(template)
+                        if f.name not in _PER_JOB]
+
+    def __call__(self, job_id: str, args: list[Any],
+                 kwargs: dict[str, Any]) -> TaskResult[..., Any]:
+        """A result for ``job_id``; ``args`` and ``kwargs`` must be new containers."""
+        result = _new(TaskResult)
+        for name, value in self._shared:
+            _set(result, name, value)
+        _set(result, "id", job_id)
+        _set(result, "args", normalize_json(args) if args else args)
+        _set(result, "kwargs", normalize_json(kwargs) if kwargs else kwargs)
+        _set(result, "errors", [])
+        _set(result, "worker_ids", [])
+        return result

@@ -24,8 +24,9 @@ from django.db.models import F
 from django.utils import timezone
 
 from reliable_jobs import payload
-from reliable_jobs.backend import ReliableJobsBackend
+from reliable_jobs.backend import NEW_JOB_STATUS, ReliableJobsBackend
 from reliable_jobs.compat import (
+    TASKS_LOGGER,
     InvalidTask,
     TaskResult,
     TaskResultDoesNotExist,
@@ -36,7 +37,7 @@ from reliable_jobs.compat import (
     task_enqueued,
 )
 from reliable_jobs.exceptions import InvalidJobArguments, PayloadTooLarge
-from reliable_jobs.models import Attempt, AttemptOutcome, Job, JobState
+from reliable_jobs.models import TASK_STATUS, Attempt, AttemptOutcome, Job, JobState
 from reliable_jobs.sweep import Sweep
 from tests import tasks as test_tasks
 
@@ -548,6 +549,11 @@ def test_every_job_state_has_a_mapping() -> None:
     }
 
 
+def test_enqueue_reports_the_status_of_a_queued_or_scheduled_job() -> None:
+    # Then: the status enqueue gives every new job is the one both new states map to
+    assert {TASK_STATUS[JobState.QUEUED], TASK_STATUS[JobState.SCHEDULED]} == {NEW_JOB_STATUS}
+
+
 @pytest.mark.django_db
 def test_succeeded_job_reports_its_return_value_times_and_worker(
     backend: ReliableJobsBackend,
@@ -871,6 +877,66 @@ def test_enqueue_many_with_one_bad_call_writes_nothing(
 
     # Then: none of the three is written
     assert_nothing_written(redis_client)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("outer_transaction", [False, True])
+def test_enqueue_many_with_a_bad_call_after_rows_were_sent_writes_nothing(
+    backend: ReliableJobsBackend, redis_client: redis.Redis, outer_transaction: bool
+) -> None:
+    # Given: a batch whose bad call comes after more rows than one COPY write
+    # carries (1,000), so rows reached the database before the check failed
+    calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = [((n,), {}) for n in range(2_500)]
+    calls.append(((), {"when": timezone.now()}))
+
+    # When: it is enqueued, alone or in a transaction that goes on afterwards
+    with transaction.atomic() if outer_transaction else contextlib.nullcontext():
+        kept = test_tasks.noop_task.enqueue("kept")
+        with pytest.raises(InvalidJobArguments, match=r"kwargs\['when'\]"):
+            backend.enqueue_many(test_tasks.noop_task, calls)
+        assert list(Job.objects.values_list("pk", flat=True)) == [uuid.UUID(kept.id)]
+
+    # Then: none of the batch is written or pushed; the job before it is
+    assert list(Job.objects.values_list("pk", flat=True)) == [uuid.UUID(kept.id)]
+    assert redis_client.lrange(QUEUED, 0, -1) == [kept.id]
+    assert redis_client.keys("rj:{default}:job:*") == [job_key(kept.id)]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_enqueue_many_logs_each_job_when_djangos_tasks_logger_shows_debug(
+    backend: ReliableJobsBackend, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given: no receiver of task_enqueued but Django's own, which logs at DEBUG,
+    # and its logger showing DEBUG
+    caplog.set_level(logging.DEBUG, logger=TASKS_LOGGER)
+
+    # When: a batch is enqueued
+    results = backend.enqueue_many(test_tasks.noop_task, [((n,), {}) for n in range(3)])
+
+    # Then: Django's receiver logged each job
+    assert [r.getMessage() for r in caplog.records if "enqueued" in r.getMessage()] == [
+        f"Task id={r.id} path=tests.tasks.noop_task enqueued backend=default" for r in results
+    ]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_backend_alias_holding_a_quote_and_a_percent_is_stored_as_it_is(
+    backend: ReliableJobsBackend, settings: Any, redis_client: redis.Redis
+) -> None:
+    # Given: a second backend whose alias holds what SQL and the driver read specially
+    alias = "it's 100%"
+    settings.TASKS = {**settings.TASKS, alias: settings.TASKS["default"]}
+    task = test_tasks.noop_task.using(backend=alias, priority=-5)
+
+    # When: a job is enqueued through it, alone and in bulk
+    single = task.enqueue(1)
+    [bulk] = task_backends[alias].enqueue_many(task, [((2,), {})])
+
+    # Then: each row names that backend, and each result reads back
+    for result, args in ((single, [1]), (bulk, [2])):
+        job = Job.objects.get(pk=result.id)
+        assert (job.backend, job.priority, job.args) == (alias, -5, args)
+        assert task_backends[alias].get_result(result.id).args == args
 
 
 @pytest.mark.django_db(transaction=True)

@@ -112,14 +112,17 @@ def insert_job(using: str, job: Job) -> None:
 
 
 def insert_new_jobs(using: str, new: NewJobs) -> None:
-    """Insert the rows of one bulk enqueue, inside the caller's transaction.
+    """Insert the rows of one enqueue, inside the caller's transaction, if any.
 
-    On PostgreSQL with one COPY, elsewhere with ``bulk_create``.
+    On PostgreSQL one row (``rows`` a list of one) with one INSERT, more with
+    one COPY; elsewhere with ``bulk_create``.
     """
-    if _on_postgresql(using):
-        postgres.insert_new_jobs(connections[using], new)
-    else:
+    if not _on_postgresql(using):
         portable.insert_new_jobs(using, new)
+    elif isinstance(new.rows, list) and len(new.rows) == 1:
+        postgres.insert_new_job(connections[using], new)
+    else:
+        postgres.insert_new_jobs(connections[using], new)
 
 
 #: Rounds of insert, look-up and release insert_unique_jobs makes before it

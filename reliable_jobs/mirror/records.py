@@ -74,13 +74,15 @@ class AttemptRecord:
 
 @dataclass(frozen=True, slots=True)
 class NewJobs:
-    """The rows of one bulk enqueue: what every row shares, then what each row holds.
+    """The rows of one enqueue: what every row shares, then what each row holds.
 
     Kept as text, not model instances: building a ``Job`` per row cost more
     Python than everything else in a bulk enqueue. ``rows`` holds (id, shard,
     args JSON, kwargs JSON) per job; the JSON texts are the payload's own
     (checked by :func:`payload.check_call`: no NUL, no lone surrogate, no
-    control character left unescaped).
+    control character left unescaped). A list of one row is a single
+    enqueue; any other iterable is read once, as the rows are written, so a
+    bulk enqueue can make its rows while the database takes the earlier ones.
     """
 
     backend: str
@@ -91,7 +93,17 @@ class NewJobs:
     max_attempts: int
     run_after: datetime | None
     enqueued_at: datetime
-    rows: list[tuple[str, int, str, str]]
+    rows: Iterable[tuple[str, int, str, str]]
+
+    @classmethod
+    def at(cls, now: datetime, *, backend: str, queue: str, task_path: str, priority: int,
+           max_attempts: int, run_after: datetime | None,
+           rows: Iterable[tuple[str, int, str, str]]) -> NewJobs:
+        """The rows of an enqueue at ``now``: scheduled while ``run_after`` is later, or queued."""
+        deferred = run_after is not None and run_after > now
+        return cls(backend=backend, queue=queue, task_path=task_path, priority=priority,
+                   state=JobState.SCHEDULED if deferred else JobState.QUEUED,
+                   max_attempts=max_attempts, run_after=run_after, enqueued_at=now, rows=rows)
 
 
 def expired_record(job_id: str, attempts: int, *, dead: bool, error: str,

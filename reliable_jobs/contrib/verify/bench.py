@@ -22,7 +22,7 @@ from django.utils import timezone
 from reliable_jobs import mirror, payload, scripts
 from reliable_jobs.backend import ReliableJobsBackend, mirror_job
 from reliable_jobs.compat import Task
-from reliable_jobs.models import Job
+from reliable_jobs.models import Attempt, Job
 from reliable_jobs.retention import prune
 from reliable_jobs.worker import Worker
 
@@ -68,6 +68,23 @@ def delete_rows(backend: ReliableJobsBackend, *, task_path: str | None = None,
     for start in range(0, len(ids), DELETE_BATCH):
         with transaction.atomic(using=backend.database):
             mirror.delete_jobs(backend.database, ids[start:start + DELETE_BATCH])
+    vacuum(backend)
+
+
+def vacuum(backend: ReliableJobsBackend) -> None:
+    """VACUUM the job and attempt tables (PostgreSQL, outside a transaction only).
+
+    So that a measurement does not pay for the rows the ones before it
+    deleted: with autovacuum off or behind (this project's machine runs
+    PostgreSQL with it off), every deleted row stays in the table and its
+    indexes, and a COPY into the job table took 10 µs a row after some
+    20,000-job runs instead of 6 µs after a VACUUM.
+    """
+    connection = connections[backend.database]
+    if connection.vendor != "postgresql" or connection.in_atomic_block:
+        return
+    with connection.cursor() as cursor:
+        cursor.execute(f"VACUUM {Job._meta.db_table}, {Attempt._meta.db_table}")
 
 
 def bench_task(backend: ReliableJobsBackend, queue: str) -> Task[..., Any]:
