@@ -15,7 +15,6 @@ only an installed app may do. Types come from them under TYPE_CHECKING.
 from __future__ import annotations
 
 import logging
-import os
 import random
 import uuid
 from collections import defaultdict
@@ -46,6 +45,7 @@ from .compat import (
     TaskResultStatus,
     task_enqueued,
 )
+from .jobids import new_job_id, new_job_ids
 from .keys import is_valid_queue_name, shard_queue
 from .reachability import ensure_reachable
 from .results import ResultStamp, task_result
@@ -164,7 +164,7 @@ class ReliableJobsBackend(BaseTaskBackend):
         args, kwargs = list(args), dict(kwargs)
         text, args_json, kwargs_json = payload.encode_call(
             task.module_path, args, kwargs, max_bytes=self.config.MAX_PAYLOAD_BYTES, trace=trace)
-        job_id = str(uuid.uuid4())
+        job_id = new_job_id()
         shard = self._pick_shard(task.queue_name)
         new = self._new_jobs(task, now=now, max_attempts=max_attempts,
                              rows=[(job_id, shard, args_json, kwargs_json)])
@@ -238,7 +238,7 @@ class ReliableJobsBackend(BaseTaskBackend):
             # the COPY takes its row, so PostgreSQL works through one chunk of
             # rows while the next is made. A call that fails its check stops
             # the COPY, and the transaction rolls back: nothing is written.
-            ids = _new_job_ids()
+            ids = new_job_ids()
             shard = 0
             for call_args, call_kwargs in calls:
                 args, kwargs = list(call_args), dict(call_kwargs)
@@ -444,23 +444,6 @@ def _enqueued_observed(sender: type) -> bool:
         and logging.getLogger(TASKS_LOGGER).isEnabledFor(logging.DEBUG))
 
 
-def _new_job_ids(batch: int = 1000) -> Iterator[str]:
-    """Random (version 4) UUIDs as text, made a batch at a time.
-
-    The same ids as ``str(uuid.uuid4())``, from one ``os.urandom`` call per
-    batch instead of a UUID object per job (a UUID object per job is one of
-    the largest costs of a bulk enqueue).
-    """
-    while True:
-        raw = bytearray(os.urandom(16 * batch))
-        raw[6::16] = bytes((b & 0x0F) | 0x40 for b in raw[6::16])  # version 4
-        raw[8::16] = bytes((b & 0x3F) | 0x80 for b in raw[8::16])  # RFC 4122 variant
-        hexed = raw.hex()
-        for i in range(0, 32 * batch, 32):
-            yield (f"{hexed[i:i + 8]}-{hexed[i + 8:i + 12]}-{hexed[i + 12:i + 16]}-"
-                   f"{hexed[i + 16:i + 20]}-{hexed[i + 20:i + 32]}")
-
-
 def mirror_job(alias: str, task: Task[..., Any], args: Sequence[Any], kwargs: dict[str, Any], *,
                max_attempts: int, now: datetime, shard: int = 0) -> Job:
     """Build (unsaved) the Job row for one enqueue."""
@@ -468,7 +451,7 @@ def mirror_job(alias: str, task: Task[..., Any], args: Sequence[Any], kwargs: di
 
     deferred = task.run_after is not None and task.run_after > now
     return Job(
-        id=uuid.uuid4(), backend=alias, queue=task.queue_name, shard=shard,
+        id=uuid.UUID(new_job_id()), backend=alias, queue=task.queue_name, shard=shard,
         task_path=task.module_path,
         args=list(args), kwargs=dict(kwargs), priority=task.priority,
         state=JobState.SCHEDULED if deferred else JobState.QUEUED,

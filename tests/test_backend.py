@@ -940,7 +940,7 @@ def test_a_backend_alias_holding_a_quote_and_a_percent_is_stored_as_it_is(
 
 
 @pytest.mark.django_db(transaction=True)
-def test_enqueue_many_stores_text_copy_would_misread_and_real_uuid4_ids(
+def test_enqueue_many_stores_text_copy_would_misread_and_real_uuid7_ids(
     backend: ReliableJobsBackend, redis_client: redis.Redis
 ) -> None:
     # Given: arguments holding what COPY's text format treats specially
@@ -957,9 +957,9 @@ def test_enqueue_many_stores_text_copy_would_misread_and_real_uuid4_ids(
         assert (job.args, job.kwargs) == ([text], {"k": text, "nested": [text, {"x": text}]})
         stored = payload.decode(redis_client.hget(job_key(result.id), "payload"))
         assert (stored.args, stored.kwargs) == (job.args, job.kwargs)
-        # and every id is a version 4 UUID in its canonical text
+        # and every id is a version 7 UUID in its canonical text
         assert str(uuid.UUID(result.id)) == result.id
-        assert uuid.UUID(result.id).version == 4
+        assert uuid.UUID(result.id).version == 7
         assert uuid.UUID(result.id).variant == uuid.RFC_4122
 
 
