@@ -14,6 +14,7 @@ from reliable_jobs.management.base import ReliableJobsCommand, number, whole_num
 from ...bench import (
     Figure,
     Round,
+    autovacuum_off,
     measure_ack_cost,
     measure_at_length,
     measure_latency,
@@ -180,7 +181,9 @@ class Command(ReliableJobsCommand):
             f"sustained: {options['sustained']:,} jobs in rounds of {options['jobs']:,}, "
             f"pruning jobs finished over {options['retention_minutes']:g} min ago; worker "
             f"RSS at start {start_rss / 2**20:,.1f} MiB\n"
-            "    jobs done   enqueue+drain jobs/s   pruned   prune s   job rows   table MiB   "
+            + ("PostgreSQL's autovacuum is off: each prune is followed by a VACUUM, "
+               "timed with it (prune s)\n" if autovacuum_off(backend) else "")
+            + "    jobs done   enqueue+drain jobs/s   pruned   prune s   job rows   table MiB   "
             "RSS MiB")
 
         def report(done: Round) -> None:
