@@ -46,7 +46,9 @@ from ..models import AttemptOutcome, JobState
 from ..results import task_result
 from ..tasks import lookup
 from .backoff import Backoff, Outage
+from .database import close_old_connections_if_opened
 from .finisher import FinishedAttempt, Finisher
+from .observers import SignalWatch
 from .pace import Pace
 from .registry import InHand, printable
 
@@ -95,6 +97,9 @@ class Executor:
         self.retry_gate = retry_gate
         self.pace = pace
         self.start_marks = StartMarks(backend.broker)
+        #: Whether the signals of a started or successful attempt would be seen.
+        self.started_watch = SignalWatch(task_started, type(backend))
+        self.finished_watch = SignalWatch(task_finished, type(backend))
 
     def run(self) -> None:
         """Run jobs from the buffer, marking them started in small groups first.
@@ -145,8 +150,9 @@ class Executor:
             finally:
                 # Like Django's request cycle: a task's database connection is
                 # closed (or kept, per CONN_MAX_AGE) when it ends, so the next
-                # job never starts on a broken or stale one.
-                close_old_connections()
+                # job never starts on a broken or stale one. A thread whose
+                # tasks never opened one has nothing to close.
+                close_old_connections_if_opened()
 
     def _mark_started(self, jobs: list[ClaimedJob]) -> list[ClaimedJob]:
         """Record in Redis that ``jobs`` start now; return those still ours.
@@ -200,6 +206,8 @@ class Executor:
             worker_id=self.worker_id, started_at=started_at))
         task_path = "?"
         result: TaskResult[..., Any] | None = None
+        #: The decoded payload and its task, once the task is known to be runnable.
+        runnable: tuple[payload.Payload, Any] | None = None
         try:
             decoded = payload.decode(job.payload, max_bytes=self.config.MAX_PAYLOAD_BYTES)
             task_path = decoded.task_path
@@ -209,13 +217,16 @@ class Executor:
                     f"{decoded.task_path!r} is not a registered task of backend "
                     f"{self.backend.alias!r}; it was not imported."
                 )
+            runnable = decoded, task
             # Django's TaskResult (and normalize_json of the arguments) only for
-            # someone who can see it: a receiver of the signals, a takes_context task.
-            sender = type(self.backend)
-            if (task.takes_context or task_started.has_listeners(sender)
-                    or task_finished.has_listeners(sender)):
+            # someone who can see it: a takes_context task, a receiver of the
+            # signals that does more than log to a silenced logger (observers.py).
+            # A failure builds one later if task_finished has any listener.
+            if task.takes_context or self.started_watch.observed():
                 result = self._task_result(task, job, decoded, started_at)
-                task_started.send(sender, task_result=result)
+                task_started.send(type(self.backend), task_result=result)
+            elif self.finished_watch.observed():
+                result = self._task_result(task, job, decoded, started_at)
             with telemetry.hook.attempt(job, task_path, decoded.trace):
                 crash_point("in_task")
                 if cancellation.requested():  # since its start mark: do not begin the task
@@ -236,12 +247,14 @@ class Executor:
                     value = task.call(*decoded.args, **decoded.kwargs)
             value = normalize_json(value)
         except Exception as exc:
+            result = self._unsuccessful_result(result, runnable, job, started_at)
             if cancellation.requested():
                 self._cancelled(job, exc, task_path, result, started_at)
             else:
                 self._fail(job, exc, task_path, result, started_at, started_clock)
         else:
             if cancellation.requested():
+                result = self._unsuccessful_result(result, runnable, job, started_at)
                 self._cancelled(job, None, task_path, result, started_at)
                 return
             finished_at = timezone.now()
@@ -263,6 +276,24 @@ class Executor:
             if logger.isEnabledFor(logging.DEBUG):
                 log_attempt(logging.DEBUG, job, task_path, AttemptOutcome.SUCCEEDED,
                             (time.perf_counter() - started_clock) * 1000)
+
+    def _unsuccessful_result(self, result: TaskResult[..., Any] | None,
+                             runnable: tuple[payload.Payload, Any] | None, job: ClaimedJob,
+                             started_at: datetime) -> TaskResult[..., Any] | None:
+        """The ``TaskResult`` for a failed or cancelled attempt's ``task_finished``.
+
+        Built now if it was not at the start: the framework's own receiver
+        logs failures at ERROR, which a logger silenced only below WARNING
+        still writes, so any listener counts here (as ``has_listeners`` says).
+        Only the framework's receivers can be listening when it was not built
+        at the start (see observers.py), and they read no arguments.
+        """
+        if result is not None or runnable is None:
+            return result
+        if not task_finished.has_listeners(type(self.backend)):
+            return None
+        decoded, task = runnable
+        return self._task_result(task, job, decoded, started_at)
 
     def _task_result(self, task: Any, job: ClaimedJob, decoded: payload.Payload,
                      started_at: datetime) -> TaskResult[..., Any]:
