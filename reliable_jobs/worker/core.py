@@ -150,7 +150,8 @@ class Worker:
             backend=backend, worker_id=self.worker_id, buffer=self._buffer,
             in_hand=self.in_hand, finisher=self.finisher, redis_outage=self._redis_outage,
             stopping=self._stopping, hard_stop=self._hard_stop, slot_freed=self._slot_freed,
-            retry_gate=self.maintenance.retry_gate, pace=self.pace, release=self._release)
+            retry_gate=self.maintenance.retry_gate, pace=self.pace, release=self._release,
+            wants_room=self.wants_room)
         #: Fires periodic jobs (periodic/scheduler.py); never in a burst run.
         self.scheduler = Scheduler(backend) if scheduler and not burst else None
         self.lease_keeper = LeaseKeeper(
@@ -369,6 +370,19 @@ class Worker:
         if self.max_jobs is not None:
             room = min(room, self.max_jobs - self._claimed_total)
         return room
+
+    def wants_room(self, waiting: int) -> bool:
+        """Whether a job that just ran should wake the main loop to claim more.
+
+        ``waiting``: jobs in hand not run yet (running ones included). Yes
+        when a thread may go idle, or when at most half of the claim ahead is
+        left; not after every job of a flood, which woke the main loop (an
+        Event, a count of the room, a small claim) once per job.
+        """
+        if waiting < self.concurrency:
+            return True
+        ahead = self.pace.ahead(self.concurrency) if self.prefetch is None else self.prefetch
+        return 2 * waiting <= self.concurrency + ahead
 
     def _claim_round(self, capacity: int) -> int:
         """Claim without blocking from every queue in turn; return how many.

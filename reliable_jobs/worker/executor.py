@@ -27,7 +27,7 @@ from django.utils import timezone
 
 from .. import payload, retry, telemetry
 from ..broker import REDIS_ERRORS, Applied, ClaimedJob
-from ..cancellation import JobContext
+from ..cancellation import Cancellation, JobContext
 from ..compat import (
     TaskResult,
     TaskResultStatus,
@@ -82,7 +82,8 @@ class Executor:
                  in_hand: InHand, finisher: Finisher, redis_outage: Outage,
                  stopping: threading.Event, hard_stop: threading.Event,
                  slot_freed: threading.Event, retry_gate: threading.Lock, pace: Pace,
-                 release: Callable[[list[tuple[ClaimedJob, bool]]], None]) -> None:
+                 release: Callable[[list[tuple[ClaimedJob, bool]]], None],
+                 wants_room: Callable[[int], bool] = lambda waiting: True) -> None:
         self.backend = backend
         self.config = backend.config
         self.worker_id = worker_id
@@ -96,6 +97,8 @@ class Executor:
         self.release = release
         self.retry_gate = retry_gate
         self.pace = pace
+        #: Given the jobs in hand not run yet, whether to wake the main loop to claim.
+        self.wants_room = wants_room
         self.start_marks = StartMarks(backend.broker)
         #: Whether the signals of a started or successful attempt would be seen.
         self.started_watch = SignalWatch(task_started, type(backend))
@@ -132,7 +135,8 @@ class Executor:
                     continue
                 job = held[0]
                 self.buffer.put_marked(held[1:])
-            if not self.in_hand.start(job):
+            cancellation = self.in_hand.begin(job)
+            if cancellation is None:
                 # Its lease was lost after the start mark: another worker may
                 # hold it now, and running it would run it twice at once.
                 logger.warning("Job %s attempt %d lost its lease before it ran; not running "
@@ -140,12 +144,12 @@ class Executor:
                 self.slot_freed.set()
                 continue
             try:
-                self._execute(job)
-                self.in_hand.done(job)
-                # Room to claim ahead again. Set only if not set already: the
-                # main loop clears it before it counts the room, so an Event
-                # still set means it has yet to count, and will see this slot.
-                if not self.slot_freed.is_set():
+                self._execute(job, cancellation)
+                # Room to claim ahead again, when the main loop wants it (see
+                # Worker.wants_room: not after every no-op job). Set only if not
+                # set already: the main loop clears it before it counts the
+                # room, so an Event still set means it has yet to count.
+                if self.wants_room(self.in_hand.done(job)) and not self.slot_freed.is_set():
                     self.slot_freed.set()
             finally:
                 # Like Django's request cycle: a task's database connection is
@@ -191,16 +195,16 @@ class Executor:
                                "started); not running it.", printable(job.id), job.attempt)
         return [job for job, ok in zip(jobs, marked, strict=True) if ok == Applied.DONE]
 
-    def _execute(self, job: ClaimedJob) -> None:
+    def _execute(self, job: ClaimedJob, cancellation: Cancellation) -> None:
         started_at = timezone.now()
         started_clock = time.perf_counter()
         try:
-            self._run_task(job, started_at, started_clock)
+            self._run_task(job, cancellation, started_at, started_clock)
         finally:
             self.pace.observe((time.perf_counter() - started_clock) * 1000)
 
-    def _run_task(self, job: ClaimedJob, started_at: datetime, started_clock: float) -> None:
-        cancellation = self.in_hand.cancellation(job)
+    def _run_task(self, job: ClaimedJob, cancellation: Cancellation, started_at: datetime,
+                  started_clock: float) -> None:
         self.finisher.record(AttemptRecord(
             job_id=job.id, attempt=job.attempt, gen=job.gen, job_state=JobState.RUNNING,
             worker_id=self.worker_id, started_at=started_at))
