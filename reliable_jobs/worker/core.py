@@ -122,6 +122,8 @@ class Worker:
         #: True when a worker thread died of an unexpected error (exit non-zero).
         self.crashed = False
         self._claimed_total = 0
+        #: Burst runs: the queue _burst_done last found with work, checked first.
+        self._burst_busy: str | None = None
         self._signals = 0
         self._started_at = time.time()
         #: time.monotonic() when the claim loop last went round (health.HeartbeatFile).
@@ -416,13 +418,27 @@ class Worker:
         return len(result.jobs)
 
     def _burst_done(self) -> bool:
+        """Whether nothing is queued, running or scheduled on any queue served.
+
+        Reads the counts, stopping at the first queue with anything, rather
+        than first trying every skipped queue with a claim: at the end of a
+        burst on one of many queues, that claim round cost one script call
+        per idle queue only to find them empty. A queue found with queued
+        jobs is tried in the next round.
+        """
         if len(self.in_hand):
             return False
-        if not self._skipper.last_full:  # some queue was skipped: try them all first
-            self._skipper.try_all()
-            return False
-        counts = [self.broker.counts(queue) for queue in self._physical]
-        return not any(c.queued or c.running or c.scheduled for c in counts)
+        queues = self._physical
+        if self._burst_busy in queues:  # the queue that had work last time, first
+            queues = [self._burst_busy, *(q for q in queues if q != self._burst_busy)]
+        for queue in queues:
+            counts = self.broker.counts(queue)
+            if counts.queued or counts.running or counts.scheduled:
+                self._burst_busy = queue
+                if counts.queued:
+                    self._skipper.found(queue, True)
+                return False
+        return True
 
     # -- reporting -----------------------------------------------------------
 
