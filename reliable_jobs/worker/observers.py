@@ -12,7 +12,8 @@ that drops them, and ``Signal.has_listeners`` alone cannot tell.
 :class:`SignalWatch` answers "would a send be seen?": yes when a receiver
 other than the framework's own log receivers is live for the sender, or
 when those log receivers would write a line (their logger enabled for
-DEBUG, the lowest level any of them could use). It reads the receivers
+INFO, the level they log a start and a success at; the backport's are no
+higher). It reads the receivers
 again only when ``Signal.receivers`` changes (a connect or disconnect at
 any time, even while the worker runs), so a job pays one list comparison
 and one level check.
@@ -59,7 +60,7 @@ class SignalWatch:
         receivers = self._signal.receivers
         if receivers != self._seen:
             self._read(receivers)
-        return self._foreign or (self._logs and self._logger.isEnabledFor(logging.DEBUG))
+        return self._foreign or (self._logs and self._logger.isEnabledFor(logging.INFO))
 
     def _read(self, receivers: list[Any]) -> None:
         seen = list(receivers)
