@@ -179,6 +179,9 @@ class Executor:
                 if backoff.wait(self.hard_stop):
                     self.release([(job, False) for job in jobs])
                     return []
+        held = [job for job, ok in zip(jobs, marked, strict=True) if ok == Applied.DONE]
+        if len(held) == len(jobs):  # the usual case: every job still ours
+            return held
         lost = [job for job, ok in zip(jobs, marked, strict=True) if ok == Applied.REFUSED]
         for job, ok in zip(jobs, marked, strict=True):
             if ok == Applied.CANCELLED:
@@ -198,7 +201,7 @@ class Executor:
             for job in lost:
                 logger.warning("Job %s attempt %d is no longer held (lease lost before it "
                                "started); not running it.", printable(job.id), job.attempt)
-        return [job for job, ok in zip(jobs, marked, strict=True) if ok == Applied.DONE]
+        return held
 
     def _execute(self, job: ClaimedJob, cancellation: Cancellation) -> None:
         started_at = self.now()
