@@ -103,10 +103,11 @@ class StartMarks:
                     self._cond.acquire()
                     self._flushing = False
                     self._cond.notify_all()
-        for slot in slots:
-            if isinstance(slot[1], BaseException):
-                raise slot[1]
-        return [Applied(slot[1]) for slot in slots]
+        results = [slot[1] for slot in slots]
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return results  # Broker.start's replies, already Applied
 
     def _flush(self, batch: list[list[Any]]) -> None:
         by_queue: dict[str, list[list[Any]]] = defaultdict(list)

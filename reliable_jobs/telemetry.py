@@ -65,7 +65,13 @@ class Fanout(Hook):
 
     def attempt(self, job: ClaimedJob, task: str,
                 trace: str | None) -> AbstractContextManager[object]:
-        return _stack([h.attempt(job, task, trace) for h in self.hooks])
+        # Once per job: in the common case (no hook wraps the call) no list is built.
+        wrapping: list[AbstractContextManager[object]] | None = None
+        for h in self.hooks:
+            context = h.attempt(job, task, trace)
+            if context is not NOTHING:
+                wrapping = [context] if wrapping is None else [*wrapping, context]
+        return NOTHING if wrapping is None else _stack(wrapping)
 
     def finished(self, job: ClaimedJob, task: str, state: str,
                  seconds: float, error: BaseException | None = None) -> None:

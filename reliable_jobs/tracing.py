@@ -4,7 +4,7 @@ When ``opentelemetry-api`` can be imported, the app installs
 :class:`TracingHook` at start-up (``telemetry.hook``); otherwise nothing
 here runs and nothing is imported. Spans go to whatever tracer provider the
 project configures (the SDK and an exporter); until one is configured, no
-span is made and each event costs one check (an enqueue inside a trace
+span is made and each event costs one clock read (an enqueue inside a trace
 propagated from elsewhere still passes that trace on to its jobs).
 
 - ``enqueue <task>`` (kind PRODUCER) wraps ``enqueue()`` / ``enqueue_many()``,
@@ -22,6 +22,7 @@ or run anything else.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING
@@ -41,6 +42,9 @@ if TYPE_CHECKING:
 
 #: ``messaging.system`` of every span, per OpenTelemetry's messaging conventions.
 SYSTEM = "reliable_jobs"
+#: While no global provider is configured, how often to look for one, in seconds:
+#: a provider set later (in ``wsgi.py``, say) is used from at most this long after.
+UNSET_RECHECK_S = 1.0
 
 
 def available() -> bool:
@@ -56,6 +60,8 @@ class TracingHook(telemetry.Hook):
         self._fixed = provider
         self._provider: object = None
         self._tracer: trace.Tracer | None = None
+        #: time.monotonic() after which an unset global provider is asked for again.
+        self._recheck_at = 0.0
 
     def _tracer_now(self) -> trace.Tracer | None:
         """The tracer of the configured provider, or None while none is configured.
@@ -63,9 +69,18 @@ class TracingHook(telemetry.Hook):
         The API's own default (a proxy until the SDK's provider is set, or
         the no-op one) would make spans that record nothing, at a few
         microseconds each: without a provider, each event costs one check.
-        The provider may be set after start-up (in ``wsgi.py``), so it is
-        looked up on each event, and the tracer only when it changed.
+        The provider may be set after start-up (in ``wsgi.py``), so while
+        none is, it is looked for again every :data:`UNSET_RECHECK_S`; once
+        one is, on each event, and the tracer only when it changed.
         """
+        if self._fixed is None and self._tracer is None:
+            # Asking the API costs an environment look-up per call while no
+            # provider is set (about 1 us, paid by every job): ask at most
+            # every UNSET_RECHECK_S until one is.
+            now = time.monotonic()
+            if now < self._recheck_at:
+                return None
+            self._recheck_at = now + UNSET_RECHECK_S
         provider = self._fixed or trace.get_tracer_provider()
         if provider is not self._provider:
             self._provider = provider

@@ -17,9 +17,13 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from django.db import connections
+from django.db.backends.signals import connection_created
 from django.utils import timezone
 
+from reliable_jobs.compat import task_backends
 from reliable_jobs.models import Job
+from reliable_jobs.worker import Worker
 
 
 def backdate(*job_ids: str) -> None:
@@ -91,3 +95,20 @@ class Processes:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=10)
+
+
+def drain_here() -> None:
+    """Run a burst worker in this process (its spans, signals and log records are then here).
+
+    A worker limits its database sessions (lock and statement timeouts) from
+    start-up on, for its whole process: those limits are taken back here, or
+    every later test's sessions would have them.
+    """
+    database = connections["default"]
+    options = dict(database.settings_dict.get("OPTIONS", {}))
+    try:
+        Worker(task_backends["default"], queues=["default"], burst=True).run()
+    finally:
+        connection_created.disconnect(dispatch_uid="reliable_jobs.worker.limits.default")
+        database.settings_dict["OPTIONS"] = options
+        database.close()

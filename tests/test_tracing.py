@@ -10,8 +10,6 @@ from typing import Any
 
 import pytest
 import redis
-from django.db import connections
-from django.db.backends.signals import connection_created
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -21,10 +19,9 @@ from opentelemetry.trace import SpanKind, StatusCode
 from reliable_jobs import payload, telemetry, tracing
 from reliable_jobs.compat import task_backends
 from reliable_jobs.keys import QueueKeys
-from reliable_jobs.worker import Worker
 from testproject.demo import tasks as demo
 
-from .helpers import REPO
+from .helpers import REPO, drain_here
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
 KEYS = QueueKeys("rj", "default")
@@ -69,23 +66,6 @@ def tracer(provider: TracerProvider) -> trace.Tracer:
 def traceparent(span: Any) -> str:
     ctx = span.context
     return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
-
-
-def drain_here() -> None:
-    """Run a burst worker in this process, so its spans reach the in-memory exporter.
-
-    A worker limits its database sessions (lock and statement timeouts) from
-    start-up on, for its whole process: those limits are taken back here, or
-    every later test's sessions would have them.
-    """
-    database = connections["default"]
-    options = dict(database.settings_dict.get("OPTIONS", {}))
-    try:
-        Worker(task_backends["default"], queues=["default"], burst=True).run()
-    finally:
-        connection_created.disconnect(dispatch_uid="reliable_jobs.worker.limits.default")
-        database.settings_dict["OPTIONS"] = options
-        database.close()
 
 
 def stored_payload(client: redis.Redis, job_id: str) -> dict[str, Any]:

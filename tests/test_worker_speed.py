@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -103,3 +104,34 @@ def test_woken_takes_the_markers_of_the_queues_that_have_one(
     assert sorted(first) == ["default", "q2"]
     assert second == []
     assert not redis_client.exists(*(QueueKeys("rj", q).wake for q in ("default", "q1", "q2")))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_thread_that_opened_a_connection_still_has_it_closed_after_each_job() -> None:
+    # Given: an executor-like thread whose task opened a database connection
+    # (CONN_MAX_AGE 0: close it when the job ends, as Django's request cycle does)
+    from django.db import connection
+
+    from reliable_jobs.worker.database import close_old_connections_if_opened
+
+    seen: dict[str, Any] = {}
+
+    def job() -> None:
+        max_age = connection.settings_dict["CONN_MAX_AGE"]
+        connection.settings_dict["CONN_MAX_AGE"] = 0
+        try:
+            connection.ensure_connection()
+            seen["open_during_job"] = connection.connection is not None
+            # When: the job ends
+            close_old_connections_if_opened()
+            seen["open_after_job"] = connection.connection is not None
+        finally:
+            connection.settings_dict["CONN_MAX_AGE"] = max_age
+            connection.close()
+
+    thread = threading.Thread(target=job)
+    thread.start()
+    thread.join(timeout=30)
+
+    # Then: the connection was open during the job and closed after it
+    assert seen == {"open_during_job": True, "open_after_job": False}

@@ -122,6 +122,8 @@ class Worker:
         #: True when a worker thread died of an unexpected error (exit non-zero).
         self.crashed = False
         self._claimed_total = 0
+        #: Burst runs: the queue _burst_done last found with work, checked first.
+        self._burst_busy: str | None = None
         self._signals = 0
         self._started_at = time.time()
         #: time.monotonic() when the claim loop last went round (health.HeartbeatFile).
@@ -150,7 +152,8 @@ class Worker:
             backend=backend, worker_id=self.worker_id, buffer=self._buffer,
             in_hand=self.in_hand, finisher=self.finisher, redis_outage=self._redis_outage,
             stopping=self._stopping, hard_stop=self._hard_stop, slot_freed=self._slot_freed,
-            retry_gate=self.maintenance.retry_gate, pace=self.pace, release=self._release)
+            retry_gate=self.maintenance.retry_gate, pace=self.pace, release=self._release,
+            wants_room=self.wants_room)
         #: Fires periodic jobs (periodic/scheduler.py); never in a burst run.
         self.scheduler = Scheduler(backend) if scheduler and not burst else None
         self.lease_keeper = LeaseKeeper(
@@ -370,6 +373,19 @@ class Worker:
             room = min(room, self.max_jobs - self._claimed_total)
         return room
 
+    def wants_room(self, waiting: int) -> bool:
+        """Whether a job that just ran should wake the main loop to claim more.
+
+        ``waiting``: jobs in hand not run yet (running ones included). Yes
+        when a thread may go idle, or when at most half of the claim ahead is
+        left; not after every job of a flood, which woke the main loop (an
+        Event, a count of the room, a small claim) once per job.
+        """
+        if waiting < self.concurrency:
+            return True
+        ahead = self.pace.ahead(self.concurrency) if self.prefetch is None else self.prefetch
+        return 2 * waiting <= self.concurrency + ahead
+
     def _claim_round(self, capacity: int) -> int:
         """Claim without blocking from every queue in turn; return how many.
 
@@ -402,13 +418,27 @@ class Worker:
         return len(result.jobs)
 
     def _burst_done(self) -> bool:
+        """Whether nothing is queued, running or scheduled on any queue served.
+
+        Reads the counts, stopping at the first queue with anything, rather
+        than first trying every skipped queue with a claim: at the end of a
+        burst on one of many queues, that claim round cost one script call
+        per idle queue only to find them empty. A queue found with queued
+        jobs is tried in the next round.
+        """
         if len(self.in_hand):
             return False
-        if not self._skipper.last_full:  # some queue was skipped: try them all first
-            self._skipper.try_all()
-            return False
-        counts = [self.broker.counts(queue) for queue in self._physical]
-        return not any(c.queued or c.running or c.scheduled for c in counts)
+        queues = self._physical
+        if self._burst_busy in queues:  # the queue that had work last time, first
+            queues = [self._burst_busy, *(q for q in queues if q != self._burst_busy)]
+        for queue in queues:
+            counts = self.broker.counts(queue)
+            if counts.queued or counts.running or counts.scheduled:
+                self._burst_busy = queue
+                if counts.queued:
+                    self._skipper.found(queue, True)
+                return False
+        return True
 
     # -- reporting -----------------------------------------------------------
 

@@ -14,20 +14,22 @@ and acked (ack.lua finishes it as cancelled), never retried.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 import traceback
 from collections.abc import Callable
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
+from django.conf import settings
 from django.db import close_old_connections
 from django.utils import timezone
 
 from .. import payload, retry, telemetry
 from ..broker import REDIS_ERRORS, Applied, ClaimedJob
-from ..cancellation import JobContext
+from ..cancellation import Cancellation, JobContext
 from ..compat import (
     TaskResult,
     TaskResultStatus,
@@ -46,7 +48,9 @@ from ..models import AttemptOutcome, JobState
 from ..results import task_result
 from ..tasks import lookup
 from .backoff import Backoff, Outage
+from .database import close_old_connections_if_opened
 from .finisher import FinishedAttempt, Finisher
+from .observers import SignalWatch
 from .pace import Pace
 from .registry import InHand, printable
 
@@ -80,7 +84,8 @@ class Executor:
                  in_hand: InHand, finisher: Finisher, redis_outage: Outage,
                  stopping: threading.Event, hard_stop: threading.Event,
                  slot_freed: threading.Event, retry_gate: threading.Lock, pace: Pace,
-                 release: Callable[[list[tuple[ClaimedJob, bool]]], None]) -> None:
+                 release: Callable[[list[tuple[ClaimedJob, bool]]], None],
+                 wants_room: Callable[[int], bool] = lambda waiting: True) -> None:
         self.backend = backend
         self.config = backend.config
         self.worker_id = worker_id
@@ -94,7 +99,15 @@ class Executor:
         self.release = release
         self.retry_gate = retry_gate
         self.pace = pace
+        #: Given the jobs in hand not run yet, whether to wake the main loop to claim.
+        self.wants_room = wants_room
         self.start_marks = StartMarks(backend.broker)
+        #: timezone.now() without its settings look-up per call (twice a job):
+        #: USE_TZ is read once per worker.
+        self.now = functools.partial(datetime.now, UTC if settings.USE_TZ else None)
+        #: Whether the signals of a started or successful attempt would be seen.
+        self.started_watch = SignalWatch(task_started, type(backend))
+        self.finished_watch = SignalWatch(task_finished, type(backend))
 
     def run(self) -> None:
         """Run jobs from the buffer, marking them started in small groups first.
@@ -127,7 +140,8 @@ class Executor:
                     continue
                 job = held[0]
                 self.buffer.put_marked(held[1:])
-            if not self.in_hand.start(job):
+            cancellation = self.in_hand.begin(job)
+            if cancellation is None:
                 # Its lease was lost after the start mark: another worker may
                 # hold it now, and running it would run it twice at once.
                 logger.warning("Job %s attempt %d lost its lease before it ran; not running "
@@ -135,18 +149,19 @@ class Executor:
                 self.slot_freed.set()
                 continue
             try:
-                self._execute(job)
-                self.in_hand.done(job)
-                # Room to claim ahead again. Set only if not set already: the
-                # main loop clears it before it counts the room, so an Event
-                # still set means it has yet to count, and will see this slot.
-                if not self.slot_freed.is_set():
+                self._execute(job, cancellation)
+                # Room to claim ahead again, when the main loop wants it (see
+                # Worker.wants_room: not after every no-op job). Set only if not
+                # set already: the main loop clears it before it counts the
+                # room, so an Event still set means it has yet to count.
+                if self.wants_room(self.in_hand.done(job)) and not self.slot_freed.is_set():
                     self.slot_freed.set()
             finally:
                 # Like Django's request cycle: a task's database connection is
                 # closed (or kept, per CONN_MAX_AGE) when it ends, so the next
-                # job never starts on a broken or stale one.
-                close_old_connections()
+                # job never starts on a broken or stale one. A thread whose
+                # tasks never opened one has nothing to close.
+                close_old_connections_if_opened()
 
     def _mark_started(self, jobs: list[ClaimedJob]) -> list[ClaimedJob]:
         """Record in Redis that ``jobs`` start now; return those still ours.
@@ -164,6 +179,9 @@ class Executor:
                 if backoff.wait(self.hard_stop):
                     self.release([(job, False) for job in jobs])
                     return []
+        held = [job for job, ok in zip(jobs, marked, strict=True) if ok == Applied.DONE]
+        if len(held) == len(jobs):  # the usual case: every job still ours
+            return held
         lost = [job for job, ok in zip(jobs, marked, strict=True) if ok == Applied.REFUSED]
         for job, ok in zip(jobs, marked, strict=True):
             if ok == Applied.CANCELLED:
@@ -183,23 +201,25 @@ class Executor:
             for job in lost:
                 logger.warning("Job %s attempt %d is no longer held (lease lost before it "
                                "started); not running it.", printable(job.id), job.attempt)
-        return [job for job, ok in zip(jobs, marked, strict=True) if ok == Applied.DONE]
+        return held
 
-    def _execute(self, job: ClaimedJob) -> None:
-        started_at = timezone.now()
+    def _execute(self, job: ClaimedJob, cancellation: Cancellation) -> None:
+        started_at = self.now()
         started_clock = time.perf_counter()
         try:
-            self._run_task(job, started_at, started_clock)
+            self._run_task(job, cancellation, started_at, started_clock)
         finally:
             self.pace.observe((time.perf_counter() - started_clock) * 1000)
 
-    def _run_task(self, job: ClaimedJob, started_at: datetime, started_clock: float) -> None:
-        cancellation = self.in_hand.cancellation(job)
+    def _run_task(self, job: ClaimedJob, cancellation: Cancellation, started_at: datetime,
+                  started_clock: float) -> None:
         self.finisher.record(AttemptRecord(
             job_id=job.id, attempt=job.attempt, gen=job.gen, job_state=JobState.RUNNING,
             worker_id=self.worker_id, started_at=started_at))
         task_path = "?"
         result: TaskResult[..., Any] | None = None
+        #: The decoded payload and its task, once the task is known to be runnable.
+        runnable: tuple[payload.Payload, Any] | None = None
         try:
             decoded = payload.decode(job.payload, max_bytes=self.config.MAX_PAYLOAD_BYTES)
             task_path = decoded.task_path
@@ -209,13 +229,16 @@ class Executor:
                     f"{decoded.task_path!r} is not a registered task of backend "
                     f"{self.backend.alias!r}; it was not imported."
                 )
+            runnable = decoded, task
             # Django's TaskResult (and normalize_json of the arguments) only for
-            # someone who can see it: a receiver of the signals, a takes_context task.
-            sender = type(self.backend)
-            if (task.takes_context or task_started.has_listeners(sender)
-                    or task_finished.has_listeners(sender)):
+            # someone who can see it: a takes_context task, a receiver of the
+            # signals that does more than log to a silenced logger (observers.py).
+            # A failure builds one later if task_finished has any listener.
+            if task.takes_context or self.started_watch.observed():
                 result = self._task_result(task, job, decoded, started_at)
-                task_started.send(sender, task_result=result)
+                task_started.send(type(self.backend), task_result=result)
+            elif self.finished_watch.observed():
+                result = self._task_result(task, job, decoded, started_at)
             with telemetry.hook.attempt(job, task_path, decoded.trace):
                 crash_point("in_task")
                 if cancellation.requested():  # since its start mark: do not begin the task
@@ -236,15 +259,17 @@ class Executor:
                     value = task.call(*decoded.args, **decoded.kwargs)
             value = normalize_json(value)
         except Exception as exc:
+            result = self._unsuccessful_result(result, runnable, job, started_at)
             if cancellation.requested():
                 self._cancelled(job, exc, task_path, result, started_at)
             else:
                 self._fail(job, exc, task_path, result, started_at, started_clock)
         else:
             if cancellation.requested():
+                result = self._unsuccessful_result(result, runnable, job, started_at)
                 self._cancelled(job, None, task_path, result, started_at)
                 return
-            finished_at = timezone.now()
+            finished_at = self.now()
             if result is not None:
                 object.__setattr__(result, "status", TaskResultStatus.SUCCESSFUL)
                 object.__setattr__(result, "finished_at", finished_at)
@@ -263,6 +288,24 @@ class Executor:
             if logger.isEnabledFor(logging.DEBUG):
                 log_attempt(logging.DEBUG, job, task_path, AttemptOutcome.SUCCEEDED,
                             (time.perf_counter() - started_clock) * 1000)
+
+    def _unsuccessful_result(self, result: TaskResult[..., Any] | None,
+                             runnable: tuple[payload.Payload, Any] | None, job: ClaimedJob,
+                             started_at: datetime) -> TaskResult[..., Any] | None:
+        """The ``TaskResult`` for a failed or cancelled attempt's ``task_finished``.
+
+        Built now if it was not at the start: the framework's own receiver
+        logs failures at ERROR, which a logger silenced only below WARNING
+        still writes, so any listener counts here (as ``has_listeners`` says).
+        Only the framework's receivers can be listening when it was not built
+        at the start (see observers.py), and they read no arguments.
+        """
+        if result is not None or runnable is None:
+            return result
+        if not task_finished.has_listeners(type(self.backend)):
+            return None
+        decoded, task = runnable
+        return self._task_result(task, job, decoded, started_at)
 
     def _task_result(self, task: Any, job: ClaimedJob, decoded: payload.Payload,
                      started_at: datetime) -> TaskResult[..., Any]:

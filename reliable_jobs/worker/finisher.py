@@ -75,11 +75,11 @@ class Finisher:
         self.db_outage = db_outage
         self.hard_stop = hard_stop
         self.slot_freed = slot_freed
-        self._queue: queue_module.SimpleQueue[FinishedAttempt | None] = queue_module.SimpleQueue()
-        #: Outcomes handed over, outcomes applied, and a condition on the two.
-        self._submitted = 0
-        self._applied = 0
-        self._flushed = threading.Condition()
+        #: Outcomes and records, flush markers (wait_until_flushed) and None (close).
+        self._queue: queue_module.SimpleQueue[FinishedAttempt | threading.Event | None] = \
+            queue_module.SimpleQueue()
+        #: Set when the thread's loop has ended (closed, or a hard stop).
+        self._ended = threading.Event()
 
     # -- other threads -----------------------------------------------------
 
@@ -89,8 +89,6 @@ class Finisher:
 
     def submit(self, outcome: FinishedAttempt) -> None:
         """Hand over a finished attempt (or a record, ``job`` None)."""
-        with self._flushed:
-            self._submitted += 1
         self._queue.put(outcome)
 
     def close(self) -> None:
@@ -105,40 +103,50 @@ class Finisher:
         jobs it finished, what its sweep recovered) is made durable, so a
         poison job can neither make them run again nor erase their history.
         """
-        with self._flushed:
-            target = self._submitted
-            while self._applied < target and not self.hard_stop.is_set():
-                self._flushed.wait(timeout=0.5)
+        # A marker behind everything submitted so far (the queue is FIFO): the
+        # finisher sets it once the batch it ends up in is mirrored and applied.
+        marker = threading.Event()
+        self._queue.put(marker)
+        while not marker.wait(timeout=0.5):
+            if self.hard_stop.is_set() or self._ended.is_set():
+                return
 
     # -- the thread ----------------------------------------------------------
 
     def run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self._ended.set()
+
+    def _loop(self) -> None:
         closing = False
         while not closing:
-            first = self._queue.get()
             batch: list[FinishedAttempt] = []
-            if first is None:
-                closing = True
-            else:
-                batch.append(first)
-            while len(batch) < FINISH_BATCH:
+            markers: list[threading.Event] = []
+            item = self._queue.get()
+            while True:
+                if item is None:
+                    closing = True
+                    break
+                if isinstance(item, FinishedAttempt):
+                    batch.append(item)
+                    if len(batch) >= FINISH_BATCH:
+                        break
+                else:
+                    markers.append(item)
                 try:
                     item = self._queue.get_nowait()
                 except queue_module.Empty:
                     break
-                if item is None:
-                    closing = True
-                    break
-                batch.append(item)
             raise_point("finisher_bug")
             if batch and not self._write_mirror(batch):
                 return
             self.in_hand.mirrored(o.job for o in batch if o.job is not None)
             if batch and not self._apply_in_redis([o for o in batch if o.job is not None]):
                 return
-            with self._flushed:
-                self._applied += len(batch)
-                self._flushed.notify_all()
+            for marker in markers:
+                marker.set()
 
     def _write_mirror(self, batch: list[FinishedAttempt]) -> bool:
         """Write the batch, retrying until it lands (False only on a hard stop)."""

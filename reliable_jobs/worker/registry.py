@@ -74,22 +74,31 @@ class InHand:
 
     def start(self, job: ClaimedJob) -> bool:
         """Mark ``job`` running; False (and dropped) when its lease was lost meanwhile."""
+        return self.begin(job) is not None
+
+    def begin(self, job: ClaimedJob) -> Cancellation | None:
+        """Mark ``job`` running and return its cancel flag; None (and dropped) when
+        its lease was lost meanwhile. One look-up for what start() and
+        cancellation() each did."""
+        key = held_key(job)
         with self._lock:
-            held = self._held.get(held_key(job))
+            held = self._held.get(key)
             if held is None or held.lost:
                 if held is not None:
-                    self._held.pop(held_key(job), None)
+                    self._held.pop(key, None)
                     self._done -= held.done
-                return False
+                return None
             held.started = True
-            return True
+            return held.cancellation
 
-    def done(self, job: ClaimedJob) -> None:
+    def done(self, job: ClaimedJob) -> int:
+        """Mark ``job``'s task run; return how many jobs in hand are not (counts()[0])."""
         with self._lock:
             held = self._held.get(held_key(job))
             if held is not None and not held.done:
                 held.done = True
                 self._done += 1
+            return len(self._held) - self._done
 
     def cancellation(self, job: ClaimedJob) -> Cancellation:
         """The cancel flag of ``job``'s attempt (a fresh one if it is no longer in hand)."""
