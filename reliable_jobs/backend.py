@@ -35,7 +35,6 @@ from django.utils.module_loading import import_string
 from . import conf, payload, telemetry, unique
 from .broker import REDIS_ERRORS, Broker, NewJob, epoch_ms
 from .compat import (
-    TASKS_LOGGER,
     BaseTaskBackend,
     InvalidTask,
     Task,
@@ -49,6 +48,7 @@ from .jobids import new_job_id, new_job_ids
 from .keys import is_valid_queue_name, shard_queue
 from .reachability import ensure_reachable
 from .results import ResultStamp, task_result
+from .signalwatch import SignalWatch
 from .tasks import ReliableTask, lookup
 
 if TYPE_CHECKING:
@@ -88,6 +88,11 @@ class ReliableJobsBackend(BaseTaskBackend):
     @property
     def database(self) -> str:
         return self.config.DATABASE
+
+    @cached_property
+    def _enqueued_watch(self) -> SignalWatch:
+        """Whether ``task_enqueued`` sends would be seen (enqueue_many asks once a call)."""
+        return SignalWatch(task_enqueued, type(self), level=logging.DEBUG)
 
     def problems(self) -> list[conf.Problem]:
         """What is wrong with this backend's settings, as (kind, message) pairs.
@@ -256,7 +261,7 @@ class ReliableJobsBackend(BaseTaskBackend):
         with transaction.atomic(using=self.database):
             mirror.insert_new_jobs(self.database, replace(new, rows=rows()))
             self._push_on_commit({queue: jobs for queue, jobs in by_shard.items() if jobs})
-        if _enqueued_observed(type(self)):
+        if self._enqueued_watch.observed():
             for result in results:
                 task_enqueued.send(type(self), task_result=result)
         return results
@@ -417,31 +422,6 @@ class ReliableJobsBackend(BaseTaskBackend):
         return check_backend(self)
 
 
-#: Django's own receiver of ``task_enqueued`` (``django.tasks.signals``, or the
-#: backport's ``django_tasks.signals``), which only logs at DEBUG.
-_FRAMEWORK_MODULES = frozenset({"django.tasks.signals", "django_tasks.signals"})
-
-
-def _enqueued_observed(sender: type) -> bool:
-    """Whether sending ``task_enqueued`` now would reach anyone.
-
-    Django always connects ``log_task_enqueued``, a DEBUG line on its tasks
-    logger, so ``has_listeners()`` is always true. A bulk enqueue sends one
-    signal per job (a tenth of its Python); when that receiver is the only
-    one and its logger drops DEBUG, nobody sees them, and they are skipped.
-    Asked once per ``enqueue_many``; a single enqueue always sends.
-    """
-    try:
-        # Private but stable since Django 5.0: the live (sync, async) receivers.
-        sync, asynchronous = task_enqueued._live_receivers(sender)
-    except Exception:  # another shape: send, as before
-        return True
-    framework_only = all(getattr(r, "__module__", None) in _FRAMEWORK_MODULES
-                         and getattr(r, "__name__", None) == "log_task_enqueued"
-                         for r in (*sync, *asynchronous))
-    return not framework_only or (
-        bool(sync or asynchronous)
-        and logging.getLogger(TASKS_LOGGER).isEnabledFor(logging.DEBUG))
 
 
 def mirror_job(alias: str, task: Task[..., Any], args: Sequence[Any], kwargs: dict[str, Any], *,

@@ -3,7 +3,7 @@
 The Tasks framework connects log-only receivers of its own to
 ``task_started`` and ``task_finished``; ``runworker`` silences their logger
 below ``-v 2``. The worker then skips the ``TaskResult`` and the sends for
-started and successful attempts (worker/observers.py), and must still send
+started and successful attempts (signalwatch.py), and must still send
 them to any other receiver, to the framework's receivers when their logger
 would write, and ``task_finished`` of a failure whenever it has a listener.
 """
@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from reliable_jobs.compat import TASKS_LOGGER, TaskResultStatus, task_finished, task_started
-from reliable_jobs.worker.observers import SignalWatch, is_framework_log_receiver
+from reliable_jobs.signalwatch import SignalWatch, is_framework_log_receiver
 from testproject.demo import tasks as demo
 
 from .helpers import drain_here

@@ -46,11 +46,11 @@ from ..logformat import log_attempt
 from ..mirror import CANCELLED_ERROR, AttemptRecord, cancelled_record
 from ..models import AttemptOutcome, JobState
 from ..results import task_result
+from ..signalwatch import SignalWatch
 from ..tasks import lookup
 from .backoff import Backoff, Outage
 from .database import close_old_connections_if_opened
 from .finisher import FinishedAttempt, Finisher
-from .observers import SignalWatch
 from .pace import Pace
 from .registry import InHand, printable
 
@@ -232,7 +232,7 @@ class Executor:
             runnable = decoded, task
             # Django's TaskResult (and normalize_json of the arguments) only for
             # someone who can see it: a takes_context task, a receiver of the
-            # signals that does more than log to a silenced logger (observers.py).
+            # signals that does more than log to a silenced logger (signalwatch.py).
             # A failure builds one later if task_finished has any listener.
             if task.takes_context or self.started_watch.observed():
                 result = self._task_result(task, job, decoded, started_at)
@@ -298,7 +298,7 @@ class Executor:
         logs failures at ERROR, which a logger silenced only below WARNING
         still writes, so any listener counts here (as ``has_listeners`` says).
         Only the framework's receivers can be listening when it was not built
-        at the start (see observers.py), and they read no arguments.
+        at the start (see signalwatch.py), and they read no arguments.
         """
         if result is not None or runnable is None:
             return result

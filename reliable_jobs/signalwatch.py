@@ -1,9 +1,10 @@
 """Whether anyone can see a job's ``TaskResult``: Django's task signals, watched cheaply.
 
-The ``django.tasks`` contract sends ``task_started`` and ``task_finished``
-with a ``TaskResult`` per attempt. Building it (with ``normalize_json`` of
-the arguments) and sending both signals cost about a sixth of a no-op job's
-worker CPU, and the Tasks framework always connects receivers of its own to
+The ``django.tasks`` contract sends ``task_enqueued`` per job enqueued, and
+``task_started`` and ``task_finished`` with a ``TaskResult`` per attempt.
+Building that result (with ``normalize_json`` of the arguments) and sending
+both signals cost about a sixth of a no-op job's worker CPU, and the Tasks
+framework always connects receivers of its own to
 both: ``log_task_started`` and ``log_task_finished``, which only log to its
 logger. ``runworker`` silences that logger below ``-v 2`` (see
 ``management/base.py``), so in a stock project those sends reach a logger
@@ -12,9 +13,11 @@ that drops them, and ``Signal.has_listeners`` alone cannot tell.
 :class:`SignalWatch` answers "would a send be seen?": yes when a receiver
 other than the framework's own log receivers is live for the sender, or
 when those log receivers would write a line (their logger enabled for
-INFO, the level they log a start and a success at; the backport's are no
-higher). It reads the receivers
-again only when ``Signal.receivers`` changes (a connect or disconnect at
+the level they log at: INFO for a start and a success, DEBUG for an
+enqueue; the backport's are no higher). The backend asks about
+``task_enqueued`` once per ``enqueue_many`` (a signal per job was a tenth
+of a bulk enqueue's Python); a single enqueue always sends. It reads the
+receivers again only when ``Signal.receivers`` changes (a connect or disconnect at
 any time, even while the worker runs), so a job pays one list comparison
 and one level check.
 
@@ -28,7 +31,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ..compat import TASKS_LOGGER
+from .compat import TASKS_LOGGER
 
 #: The Tasks framework's own receivers, which only log (``django.tasks.signals``
 #: or the backport's ``django_tasks.signals``), by module and name.
@@ -46,9 +49,10 @@ def is_framework_log_receiver(receiver: Any) -> bool:
 class SignalWatch:
     """Whether a send of ``signal`` by ``sender`` would be seen by anyone."""
 
-    def __init__(self, signal: Any, sender: type) -> None:
+    def __init__(self, signal: Any, sender: type, *, level: int = logging.INFO) -> None:
         self._signal = signal
         self._sender = sender
+        self._level = level
         self._logger = logging.getLogger(TASKS_LOGGER)
         #: The ``Signal.receivers`` list last read (a copy), and what it held.
         self._seen: list[Any] | None = None
@@ -60,7 +64,7 @@ class SignalWatch:
         receivers = self._signal.receivers
         if receivers != self._seen:
             self._read(receivers)
-        return self._foreign or (self._logs and self._logger.isEnabledFor(logging.INFO))
+        return self._foreign or (self._logs and self._logger.isEnabledFor(self._level))
 
     def _read(self, receivers: list[Any]) -> None:
         seen = list(receivers)
