@@ -181,8 +181,8 @@ class Command(ReliableJobsCommand):
             f"sustained: {options['sustained']:,} jobs in rounds of {options['jobs']:,}, "
             f"pruning jobs finished over {options['retention_minutes']:g} min ago; worker "
             f"RSS at start {start_rss / 2**20:,.1f} MiB\n"
-            + ("PostgreSQL's autovacuum is off: each prune is followed by a VACUUM, "
-               "timed with it (prune s)\n" if autovacuum_off(backend) else "")
+            + ("PostgreSQL's autovacuum is off: each round's prune comes after a VACUUM "
+               "ANALYZE, timed with it (prune s)\n" if autovacuum_off(backend) else "")
             + "    jobs done   enqueue+drain jobs/s   pruned   prune s   job rows   table MiB   "
             "RSS MiB")
 
