@@ -491,11 +491,11 @@ PRODUCERS = """
 import os, pathlib, sys, time, traceback
 from django.db import connections, transaction
 from testproject.demo.tasks import unique_add
-ready_dir, go = pathlib.Path(os.environ["RJ_READY_DIR"]), pathlib.Path(os.environ["RJ_GO"])
+out, go = pathlib.Path(os.environ["RJ_OUT"]), pathlib.Path(os.environ["RJ_GO"])
 connections.close_all()  # each child opens its own session
 
 def produce(n):
-    (ready_dir / f"ready-{n}").write_text("")
+    (out / f"ready-{n}").write_text("")
     deadline = time.monotonic() + 120
     while not go.exists():
         if time.monotonic() > deadline:
@@ -504,7 +504,7 @@ def produce(n):
     with transaction.atomic():
         result = unique_add.enqueue(1, 2)
         time.sleep(0.05)
-    print("RESULT", result.id, flush=True)
+    (out / f"result-{n}").write_text(str(result.id))  # a file each: no interleaved lines
 
 children = []
 for n in range(int(os.environ["RJ_PRODUCERS"])):
@@ -534,7 +534,7 @@ def test_twenty_processes_enqueueing_one_call_make_one_job(
     env = rj_settings()
     go = tmp_path / "go"
     producers = processes.manage("shell", "-c", PRODUCERS, env=env, extra_env={
-        "RJ_READY_DIR": str(tmp_path), "RJ_GO": str(go), "RJ_PRODUCERS": "20"})
+        "RJ_OUT": str(tmp_path), "RJ_GO": str(go), "RJ_PRODUCERS": "20"})
     wait_until(lambda: len(list(tmp_path.glob("ready-*"))) == 20
                or producers.poll() is not None,
                timeout=180, message="20 producers to start")
@@ -544,8 +544,7 @@ def test_twenty_processes_enqueueing_one_call_make_one_job(
     assert producers.wait(timeout=120) == 0, processes.log(producers)
 
     # Then: one job, which every producer got; one push
-    ids = [line.split()[1] for line in processes.log(producers).splitlines()
-           if line.startswith("RESULT ")]
+    ids = [path.read_text() for path in sorted(tmp_path.glob("result-*"))]
     assert len(ids) == 20 and len(set(ids)) == 1, ids
     assert [str(pk) for pk in Job.objects.values_list("pk", flat=True)] == ids[:1]
     assert redis_client.lrange(QUEUED, 0, -1) == ids[:1]
