@@ -31,6 +31,34 @@ FAST_OPTIONS: dict[str, Any] = {
 }
 
 
+@pytest.fixture(scope="session", autouse=True)
+def flush_by_delete() -> Iterator[None]:
+    """Empty PostgreSQL's tables after a transactional test with DELETE, not TRUNCATE.
+
+    Why: Django's flush TRUNCATEs every table, which gives each table and index
+    a new file: about 0.1 s per test on a loaded two-core machine, paid by
+    hundreds of ``transaction=True`` tests. Their tables hold a few rows, which
+    DELETE removes in a millisecond or two, leaving the same empty tables (the
+    foreign keys are deferrable, so the order does not matter; no table has a
+    trigger). A flush that resets sequences or cascades is left as it was.
+    """
+    from django.db.backends.postgresql.operations import DatabaseOperations
+
+    truncate = DatabaseOperations.sql_flush
+
+    def sql_flush(self: DatabaseOperations, style: Any, tables: Any, *,
+                  reset_sequences: bool = False, allow_cascade: bool = False) -> list[str]:
+        if reset_sequences or allow_cascade:
+            return truncate(self, style, tables, reset_sequences=reset_sequences,
+                            allow_cascade=allow_cascade)
+        return ["SET CONSTRAINTS ALL DEFERRED;",
+                *(f"DELETE FROM {self.quote_name(table)};" for table in tables)]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(DatabaseOperations, "sql_flush", sql_flush)
+        yield
+
+
 @pytest.fixture
 def redis_client() -> Iterator[redis.Redis]:
     """A client on the suite's Redis database, emptied before the test."""
