@@ -247,8 +247,9 @@ def test_failover_of_a_master_loses_no_job(
         # asynchronous replication dropped is pushed again from the database
         wait_until(lambda: finished(ids), timeout=90, message="every job to finish")
         assert Job.objects.filter(pk__in=ids, state=JobState.SUCCEEDED).count() == len(ids)
-        for proc in (worker, sweep):
+        for proc in (worker, sweep):  # together: each one's stop lasts about a second
             proc.send_signal(signal.SIGTERM)
+        for proc in (worker, sweep):
             assert proc.wait(timeout=30) == 0, processes.log(proc)
     finally:
         harness.stop()

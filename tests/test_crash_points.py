@@ -141,5 +141,6 @@ def test_three_sweeps_at_once_with_crashing_workers(
     for result in results:
         job = Job.objects.get(pk=result.id)
         assert Attempt.objects.filter(job=job).count() <= job.max_attempts
-    for proc in (*sweeps, survivor):
-        assert processes.stop(proc) == 0
+    procs = (*sweeps, survivor)
+    for proc, code in zip(procs, processes.stop_many(*procs), strict=True):
+        assert code == 0, processes.log(proc)

@@ -494,8 +494,9 @@ def test_a_worker_frozen_inside_its_mirror_transaction_never_stalls_the_others(
     assert pause < 2.5, f"the other workers started nothing for {pause:.1f} s"
     # and nothing was lost or left running
     assert not Job.objects.exclude(state=JobState.SUCCEEDED).exists()
-    for proc in (frozen, *others):
-        assert processes.stop(proc) == 0
+    procs = (frozen, *others)
+    for proc, code in zip(procs, processes.stop_many(*procs), strict=True):
+        assert code == 0, processes.log(proc)
 
 
 # -- 7. a hard stop never hands back a job whose outcome is in the mirror --------

@@ -22,7 +22,9 @@ from testproject.demo import tasks as demo
 
 from .helpers import Processes
 
-JOBS = 20_000
+#: Enough for the drain to last many renewal intervals (RENEW_INTERVAL_MS=20): with the
+#: keeper's acked-job filter removed, 4,000 jobs logged ~1,500 false losses, 2,000 still 250.
+JOBS = 4_000
 
 
 @pytest.mark.django_db(transaction=True)

@@ -160,8 +160,7 @@ def test_a_refused_ack_and_a_recovery_are_counted_where_they_happen(
                  kind="expired") == 1
     assert value(scrape(port_b), "reliable_jobs_jobs_succeeded_total", queue="default",
                  task=sleep) == 1
-    assert processes.stop(a) == 0
-    assert processes.stop(b) == 0
+    assert processes.stop_many(a, b) == [0, 0]
 
 
 def test_the_view_counts_enqueues_and_reads_the_queue(rj_settings: Any) -> None:

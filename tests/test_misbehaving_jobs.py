@@ -76,8 +76,8 @@ def test_job_three_times_longer_than_its_lease_runs_once(
     # Then: it ran once: renewals kept it from being recovered
     assert list(Attempt.objects.filter(job_id=result.id).values_list("outcome", flat=True)) == [
         AttemptOutcome.SUCCEEDED]
-    for worker in workers:
-        assert processes.stop(worker) == 0
+    for worker, code in zip(workers, processes.stop_many(*workers), strict=True):
+        assert code == 0, processes.log(worker)
 
 
 def test_stalled_worker_loses_its_job_and_its_late_ack_is_refused(
@@ -115,8 +115,8 @@ def test_stalled_worker_loses_its_job_and_its_late_ack_is_refused(
     job = Job.objects.get(pk=result.id)
     assert (job.state, job.attempts) == (JobState.SUCCEEDED, 2)
     assert not redis_client.exists(KEYS.job(result.id))
-    for worker in (stalled, other):
-        assert processes.stop(worker) == 0
+    for worker, code in zip((stalled, other), processes.stop_many(stalled, other), strict=True):
+        assert code == 0, processes.log(worker)
 
 
 def test_worker_whose_finisher_dies_hands_its_jobs_back_and_exits_non_zero(

@@ -86,7 +86,8 @@ def test_postgresql_that_hangs_for_three_leases_reruns_nothing(
                                            outcome=AttemptOutcome.LEASE_EXPIRED)
         assert recovered.count() == len(planted)
         assert all(at >= resumed_at for at in recovered.values_list("finished_at", flat=True))
-        for proc in (worker_a, worker_b):
-            assert processes.stop(proc) == 0, processes.log(proc)
+        procs = (worker_a, worker_b)
+        for proc, code in zip(procs, processes.stop_many(*procs), strict=True):
+            assert code == 0, processes.log(proc)
     finally:
         proxy.close()

@@ -152,10 +152,12 @@ def test_sdist_tests_run_from_the_unpacked_sdist(dist: Dist, tmp_path: Path) -> 
 def test_wheel_alone_passes_check_and_migrate(dist: Dist, tmp_path: Path) -> None:
     """A clean virtualenv with only the wheel (and its dependencies) and a minimal project."""
     venv = tmp_path / "venv"
-    run(sys.executable, "-m", "venv", venv, cwd=tmp_path)
+    # Without pip of its own (seeding one costs seconds): this interpreter's pip
+    # installs into it (--python), so it holds only the wheel and its dependencies.
+    run(sys.executable, "-m", "venv", "--without-pip", venv, cwd=tmp_path)
     python = venv / "bin" / "python"
-    run(python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", dist.wheel,
-        cwd=tmp_path)
+    run(sys.executable, "-m", "pip", "--python", python, "install", "--quiet",
+        "--disable-pip-version-check", dist.wheel, cwd=tmp_path)
     project = tmp_path / "project"
     project.mkdir()
     (project / "rj_check_settings.py").write_text(

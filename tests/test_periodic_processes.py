@@ -53,6 +53,13 @@ def slots(name: str = "tick") -> list[datetime]:
                 .order_by("slot_at").values_list("slot_at", flat=True))
 
 
+def more_slots(n: int, name: str = "tick") -> None:
+    """Wait until the schedulers have enqueued ``n`` more slots of ``name``."""
+    target = len(slots(name)) + n
+    wait_until(lambda: len(slots(name)) >= target, timeout=60,
+               message=f"{n} more slots of {name!r}")
+
+
 def pause_and_drain(name: str = "tick") -> None:
     """Pause the schedule (the schedulers see it at their next pass), then let every job end."""
     set_enabled("default", [name], False)
@@ -122,8 +129,8 @@ def test_three_schedulers_enqueue_each_slot_of_an_every_second_schedule_once(
     assert sum(figures["slots enqueued per scheduler"]) == figures["slots enqueued"]
     with capsys.disabled():
         print(f"\nmulti-scheduler run: {figures}")
-    for proc in workers:
-        assert processes.stop(proc) == 0
+    for proc, code in zip(workers, processes.stop_many(*workers), strict=True):
+        assert code == 0, processes.log(proc)
 
 
 def test_a_scheduler_killed_between_deciding_and_enqueueing_loses_no_slot(
@@ -143,7 +150,9 @@ def test_a_scheduler_killed_between_deciding_and_enqueueing_loses_no_slot(
     time.sleep(1.0)
     doomed.send_signal(signal.SIGKILL)
     doomed.wait(timeout=10)
-    time.sleep(4.0)
+    wait_until(lambda: len(slots()) >= 3 if frozen_at is None
+               else slots()[-1] > frozen_at + timedelta(seconds=2), timeout=60,
+               message="scheduler B to enqueue past the slots A had decided")
     pause_and_drain()
 
     # Then: the slots A had decided were enqueued by B, once; no slot is missing
@@ -164,18 +173,20 @@ def test_redis_flushed_mid_run_loses_no_slot_and_duplicates_none(
     sweep = processes.manage("recoverjobs", "--interval", "1", env=env)
     wait_until(lambda: len(slots()) >= 3, timeout=90, message="the first slots")
 
-    # When: Redis loses everything (FLUSHDB of this suite's database only), twice
+    # When: Redis loses everything (FLUSHDB of this suite's database only), twice,
+    # each time after two more slots; two more come after the second
     for _ in range(2):
-        time.sleep(3.0)
+        more_slots(2)
         redis_client.flushdb()
-    time.sleep(3.0)
+    more_slots(2)
     pause_and_drain()
 
     # Then: every slot still has exactly one job, and every job ran (reconcile
     # rebuilt the ones Redis lost from their rows)
     figures = assert_one_job_per_slot()
-    for proc in (*workers, sweep):
-        assert processes.stop(proc) == 0
+    procs = (*workers, sweep)
+    for proc, code in zip(procs, processes.stop_many(*procs), strict=True):
+        assert code == 0, processes.log(proc)
     print(f"redis flushed: {figures}")
 
 

@@ -76,8 +76,9 @@ def test_redis_restarted_empty_while_jobs_are_queued_scheduled_and_running(
         for r in running:
             assert demo.sleep_for.get_result(r.id).status == "SUCCESSFUL"
         assert "pushed" in processes.log(sweep)
-        for proc in (worker, sweep):
-            assert processes.stop(proc) == 0, processes.log(proc)
+        procs = (worker, sweep)
+        for proc, code in zip(procs, processes.stop_many(*procs), strict=True):
+            assert code == 0, processes.log(proc)
     finally:
         server.kill()
 

@@ -75,8 +75,9 @@ def test_changing_the_shard_count_while_jobs_flow_loses_nothing(
     # included (no longer configured anywhere), and every job succeeds
     wait_until(lambda: all_done(ids, redis_client, 4), timeout=60,
                message="every job on every shard to finish")
-    for worker in (old_worker, new_worker):
-        assert processes.stop(worker) == 0
+    workers = (old_worker, new_worker)
+    for worker, code in zip(workers, processes.stop_many(*workers), strict=True):
+        assert code == 0, processes.log(worker)
 
 
 def test_a_producer_records_its_shard_again_after_redis_lost_the_index(
