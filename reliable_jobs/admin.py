@@ -36,6 +36,7 @@ from django.utils.translation import gettext_lazy as _
 from . import changelist, dashboard, staff, taskpage
 from .broker import REDIS_ERRORS
 from .compat import admin_action
+from .jobids import short_id
 from .models import Attempt, Job
 
 #: Jobs one action handles at most per click (each is a transaction and a
@@ -197,8 +198,8 @@ class JobAdmin(ReadOnlyMixin, admin.ModelAdmin):  # type: ignore[type-arg]  # as
 
     @admin.display(description=_("id"), ordering="pk")
     def short_id(self, job: Job) -> SafeString:
-        """The first 8 characters, like a short git hash; the whole id on hover."""
-        return format_html('<span class="rj-id" title="{}">{}</span>', job.pk, str(job.pk)[:8])
+        """The last 8 characters (jobids.short_id); the whole id on hover."""
+        return format_html('<span class="rj-id" title="{}">{}</span>', job.pk, short_id(job.pk))
 
     @admin.display(description=_("state"), ordering="state")
     def state_badge(self, job: Job) -> SafeString:

@@ -28,7 +28,8 @@ from django.conf import settings
 from django.contrib import admin
 from django.core.paginator import Paginator
 from django.db import connections
-from django.db.models import Field, Model, Q, QuerySet
+from django.db.models import CharField, Field, Model, Q, QuerySet
+from django.db.models.functions import Cast
 from django.http import HttpRequest
 from django.utils import timezone
 from django.utils.translation import gettext_lazy as _
@@ -162,18 +163,23 @@ def reliable_backend(alias: str) -> ReliableJobsBackend:
     return backend
 
 
-#: Shortest id prefix searched as one (the changelist shows 8 characters).
+#: Shortest id prefix or suffix searched as one (the changelist shows 8 characters).
 MIN_ID_PREFIX = 4
+#: Longest id suffix searched: the last group of a UUID's text (no dash in it).
+MAX_ID_SUFFIX = 12
 
 
 def search(queryset: QuerySet[Job], term: str) -> QuerySet[Job]:
-    """Find jobs by id, by id prefix, or by part of a task path.
+    """Find jobs by id, by the start or end of an id, or by part of a task path.
 
     A whole id is a primary-key lookup. A prefix of 4+ hex digits is a range
-    on the primary key (every UUID from ``prefix000…`` to ``prefixfff…``), so
-    the short id the list shows can be pasted back. Any text also matches
-    the task paths that contain it, picked from the few distinct paths, then
-    looked up on the task index.
+    on the primary key (every UUID from ``prefix000…`` to ``prefixfff…``);
+    being the time an id was made (jobids.py), it finds the jobs of that
+    stretch of time. 4 to 12 hex digits also match the ends of ids, so the
+    short id the list shows (jobids.short_id) can be pasted back: that test
+    reads the ids' text, a scan of the job table, paid only by a search of
+    hex digits. Any text also matches the task paths that contain it,
+    picked from the few distinct paths, then looked up on the task index.
     """
     term = term.strip()
     if not term:
@@ -188,6 +194,9 @@ def search(queryset: QuerySet[Job], term: str) -> QuerySet[Job]:
     if MIN_ID_PREFIX <= len(digits) <= 32 and all(c in string.hexdigits for c in digits):
         matches |= Q(pk__gte=uuid.UUID(digits.ljust(32, "0")),
                      pk__lte=uuid.UUID(digits.ljust(32, "f")))
+        if "-" not in term and len(digits) <= MAX_ID_SUFFIX:
+            queryset = queryset.annotate(id_text=Cast("pk", CharField()))
+            matches |= Q(id_text__endswith=digits)
     return queryset.filter(matches)
 
 

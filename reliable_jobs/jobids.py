@@ -20,6 +20,17 @@ from collections.abc import Iterator
 
 #: Ids made per ``os.urandom`` call by :func:`new_job_ids`.
 BATCH = 1000
+#: Characters of an id the admin shows (and its search takes back).
+SHORT_ID_LENGTH = 8
+
+
+def short_id(job_id: object) -> str:
+    """The last 8 hex digits of an id, the short form people read and paste.
+
+    Not the first 8, as for a git hash: a version 7 id starts with its time,
+    which the jobs of the same minute share; its end is random.
+    """
+    return str(job_id)[-SHORT_ID_LENGTH:]
 
 
 def new_job_id() -> str:

@@ -23,6 +23,7 @@ from django.utils.translation import gettext_lazy as _
 from .admin import ReadOnlyMixin, badge, timestamp
 from .changelist import reliable_backend, reliable_backends
 from .compat import admin_action
+from .jobids import short_id
 from .models import Schedule, ScheduleSlot
 from .periodic.scheduler import next_slot, run_now, set_enabled, timetable_of
 
@@ -130,4 +131,4 @@ class ScheduleAdmin(ReadOnlyMixin, admin.ModelAdmin):  # type: ignore[type-arg] 
 
 def job_link(job_id: Any) -> SafeString:
     url = reverse("admin:reliable_jobs_job_change", args=[job_id])
-    return format_html('<a class="rj-job-link" href="{}">{}</a>', url, str(job_id)[:8])
+    return format_html('<a class="rj-job-link" href="{}">{}</a>', url, short_id(job_id))

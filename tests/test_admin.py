@@ -23,6 +23,7 @@ from django.utils import timezone
 from reliable_jobs import admin, changelist, mirror
 from reliable_jobs.backend import ReliableJobsBackend
 from reliable_jobs.compat import task_backends
+from reliable_jobs.jobids import short_id
 from reliable_jobs.mirror import AttemptRecord
 from reliable_jobs.models import Attempt, AttemptOutcome, Job, JobState
 from testproject.demo import tasks as demo
@@ -185,13 +186,17 @@ def test_search_by_id_and_by_part_of_the_task_path(
         response = admin_client.get(CHANGELIST, {"q": term})
         return {str(job.pk) for job in response.context["cl"].result_list}
 
-    # Then an id (or the short id the list shows) finds its job, a fragment of a
-    # task path finds that task's jobs
+    # Then an id (or the short id the list shows, its end) finds its job, the
+    # start of an id finds the jobs made at that time, a fragment of a task
+    # path finds that task's jobs
     assert found(a.id) == {a.id}
     assert found(a.id.upper()) == {a.id}
-    assert found(a.id[:8]) == {a.id}
-    assert found(a.id[:13]) == {a.id}  # with its dash
-    assert a.id[:8] in page_text(admin_client.get(CHANGELIST))
+    assert short_id(a.id) == a.id[-8:]
+    assert found(short_id(a.id)) == {a.id}
+    assert found(a.id[-12:]) == {a.id}
+    assert short_id(a.id) in page_text(admin_client.get(CHANGELIST))
+    assert a.id in found(a.id[:8]) and a.id in found(a.id[:13])  # with its dash
+    assert found(a.id[:23]) == {a.id}
     assert found("NOOP") == {b.id}
     assert found("demo.tasks") == {a.id, b.id}
     assert found(str(uuid.uuid4())) == set()

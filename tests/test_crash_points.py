@@ -73,8 +73,13 @@ def test_worker_killed_at_each_step_loses_nothing(
     crash = {"RJ_CRASH_AT": point, "RJ_CRASH_AFTER": "3" if point == "in_task" else "0"}
     if point == "after_blmove":
         # BLMOVE is only used by an idle worker: start it before the jobs exist.
+        # Wait until it blocks in BLMOVE: a worker still in its first claim round
+        # would claim the first jobs with the claim script and die holding them.
         victim = processes.worker(env, extra_env=crash)
-        wait_until(lambda: "serving default" in processes.log(victim), message="worker start")
+        db = str(redis_client.connection_pool.connection_kwargs.get("db", 0))
+        wait_until(lambda: any(client.get("cmd") == "blmove" and client.get("db") == db
+                               for client in redis_client.client_list()),
+                   message="the worker to wait in BLMOVE")
         results = [demo.add.enqueue(i, 100) for i in range(JOBS)]
     else:
         results = [demo.add.enqueue(i, 100) for i in range(JOBS)]
