@@ -251,7 +251,7 @@ class ReliableJobsBackend(BaseTaskBackend):
                 job_id = next(ids)
                 job = NewJob(job_id, text, max_attempts, due_ms, priority=priority)
                 if shards > 1:
-                    shard = random.randrange(shards)
+                    shard = self._pick_shard(task.queue_name)
                     by_shard[shard_queue(task.queue_name, shard)].append(job)
                 else:
                     pushes.append(job)
