@@ -45,18 +45,23 @@ def test_a_long_drain_logs_no_lost_lease(rj_settings: Any, processes: Processes)
     assert log.count("Lost the lease") == 0, log[-3000:]
 
 
+def keeper_holding(job: ClaimedJob) -> tuple[InHand, LeaseKeeper]:
+    """A lease keeper (on the default backend's Redis) for a worker holding ``job``."""
+    in_hand = InHand()
+    in_hand.add([job])
+    keeper = LeaseKeeper(broker=task_backends["default"].broker, in_hand=in_hand,
+                         lease_ms=60_000, renew_interval_ms=1_000, worker_id="w",
+                         beat_info=dict, redis_outage=Outage("Redis"))
+    return in_hand, keeper
+
+
 def test_a_refused_renewal_still_warns_and_loses_a_job_in_hand(
     rj_settings: Any, redis_client: redis.Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
     # Given: a job in hand (not run, not mirrored) whose lease Redis no longer knows
     rj_settings()
-    broker = task_backends["default"].broker
     job = ClaimedJob("default", "not-in-redis", 1, 0, "{}", 0)
-    in_hand = InHand()
-    in_hand.add([job])
-    keeper = LeaseKeeper(broker=broker, in_hand=in_hand, lease_ms=60_000,
-                         renew_interval_ms=1_000, worker_id="w", beat_info=dict,
-                         redis_outage=Outage("Redis"))
+    in_hand, keeper = keeper_holding(job)
 
     # When: the keeper renews
     assert keeper.renew()
@@ -72,15 +77,10 @@ def test_a_refused_renewal_of_a_mirrored_job_is_not_a_loss(
     # Given: a job whose outcome is in the mirror (its ack on its way) and
     # whose renewal Redis refuses, as after the ack landed
     rj_settings()
-    broker = task_backends["default"].broker
     job = ClaimedJob("default", "acked", 1, 0, "{}", 0)
-    in_hand = InHand()
-    in_hand.add([job])
+    in_hand, keeper = keeper_holding(job)
     in_hand.done(job)
     in_hand.mirrored([job])
-    keeper = LeaseKeeper(broker=broker, in_hand=in_hand, lease_ms=60_000,
-                         renew_interval_ms=1_000, worker_id="w", beat_info=dict,
-                         redis_outage=Outage("Redis"))
 
     # When: the keeper renews
     assert keeper.renew()
