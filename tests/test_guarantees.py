@@ -610,3 +610,55 @@ def test_an_id_read_from_redis_cannot_forge_a_log_line() -> None:
     assert printable("0b6c3f8e-1a2b-4c5d-8e9f-0a1b2c3d4e5f") == (
         "0b6c3f8e-1a2b-4c5d-8e9f-0a1b2c3d4e5f")
     assert len(printable("y" * 10_000)) < 120
+
+
+# -- 4. a stale holder's late record never closes the current attempt ----------
+
+
+@pytest.fixture(params=["native", "orm"])
+def mirror_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run the mirror's writes on the database's own path, then on the ORM path.
+
+    "native" is the SQL path on PostgreSQL (the ORM path on SQLite, as
+    ever); "orm" takes the portable path whatever the database, so both
+    paths of every rule run in the suite's PostgreSQL run.
+    """
+    if request.param == "orm":
+        monkeypatch.setattr(mirror, "_on_postgresql", lambda using: False)
+    return str(request.param)
+
+
+def test_a_stale_holders_late_record_does_not_close_the_current_attempt(
+    mirror_path: str, rj_settings: Any, redis_client: redis.Redis
+) -> None:
+    # Given: worker A holds attempt 2 of a job (its first claim was handed
+    # back unstarted), none of it mirrored; Redis loses the job, reconcile
+    # rebuilds it (generation 1) and worker B claims and starts attempt 1
+    rj_settings()
+    backend = task_backends["default"]
+    broker: Broker = backend.broker
+    result = demo.add.enqueue(1, 2)
+    first = broker.claim("default", count=1, lease_ms=60_000).jobs[0]
+    assert broker.release("default", [(*first.fence, False)]) == [True]
+    stale = broker.claim("default", count=1, lease_ms=60_000).jobs[0]
+    assert (stale.attempt, stale.gen) == (2, 0)
+    redis_client.flushdb()
+    backdate(result.id)
+    assert Sweep(backend).reconcile().pushed == 1
+    fresh = broker.claim("default", count=1, lease_ms=60_000).jobs[0]
+    assert (fresh.attempt, fresh.gen) == (1, 1)
+    assert broker.start("default", [fresh.fence]) == [True]
+    mirror.record("default", [AttemptRecord(job_id=fresh.id, attempt=1, gen=1,
+                                            job_state=JobState.RUNNING, worker_id="B",
+                                            started_at=timezone.now())])
+
+    # When: A's late success (generation 0, attempt 2) reaches the mirror,
+    # then B's
+    mirror.record("default", [success(stale, "A")])
+    mirror.record("default", [success(fresh, "B")])
+
+    # Then: B's attempt was never closed by A's record, and its success is the job's
+    attempt = Attempt.objects.get(job_id=result.id, number=1)
+    assert (attempt.outcome, attempt.worker_id) == (AttemptOutcome.SUCCEEDED, "B")
+    row = Job.objects.get(pk=result.id)
+    assert (row.state, row.attempts, row.generation) == (JobState.SUCCEEDED, 1, 1)

@@ -30,8 +30,10 @@ outcomes are final. The rules, by the names the two paths use:
   it ran) is recorded as cancelled, whatever it returned or raised: the job
   ends either succeeded (its outcome reached the mirror first, and the
   cancel is refused) or cancelled, never both;
-- "abandoned closed": an earlier attempt still open when a later one is
-  written is closed as lease_expired, so no attempt stays "running";
+- "abandoned closed": an earlier attempt still open when a later one of
+  the row's generation is written is closed as lease_expired, so no attempt
+  stays "running" (a stale holder's record, of an older generation, closes
+  nothing: the open attempt may be the one that holds the job now);
 - "lock order": every writer locks the rows it moves first, in id order.
 
 A unique job's key (``Job.unique_key``) counts only while the row is

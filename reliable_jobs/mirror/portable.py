@@ -106,8 +106,11 @@ def write_batch(using: str, merged: Sequence[AttemptRecord],
                         and (rec.job_id, rec.attempt) in lost):
                     continue  # the worker lost this attempt: its late result is not the job's
                 fenced.update(**_job_changes(rec, now))
-        # Rule "abandoned closed": every retried job's newest record, whatever its generation.
-        for retried in chunks([rec for rec in newest.values() if rec.attempt > 1]):
+        # Rule "abandoned closed": every retried job's newest record; under rule
+        # "generation fence" only one of the row's generation, so a stale
+        # holder's late record never closes the attempt that holds the job now.
+        for retried in chunks([rec for rec in newest.values()
+                               if rec.attempt > 1 and known.get(rec.job_id) == rec.gen]):
             closing = Q(pk__in=[])
             for rec in retried:
                 closing |= Q(job_id=rec.job_id, number__lt=rec.attempt)

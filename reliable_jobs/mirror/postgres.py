@@ -308,12 +308,17 @@ WHERE j.id = v.id AND j.generation = v.gen AND j.attempts <= v.attempt
 """
 
 #: Rule "abandoned closed": an earlier attempt still open when a later one is
-#: written is closed as lease_expired, whatever the record's generation.
+#: written is closed as lease_expired; under rule "generation fence" only by a
+#: record of the row's generation (the EXISTS): a stale holder's late record
+#: (a higher attempt number from before a rebuild) never closes the attempt
+#: that holds the job now.
 CLOSE_ABANDONED = f"""
 UPDATE {Attempt._meta.db_table} AS a
 SET outcome = 'lease_expired', finished_at = now(), error = %s
-FROM unnest({_column("uuid")}, {_column("int")}) AS v(job_id, attempt)
+FROM unnest({_column("uuid")}, {_column("int")}, {_column("int")}) AS v(job_id, attempt, gen)
 WHERE a.job_id = v.job_id AND a.number < v.attempt AND a.outcome = ''
+  AND EXISTS (SELECT 1 FROM {Job._meta.db_table} j WHERE j.id = v.job_id
+              AND j.generation = v.gen)
 """
 
 
@@ -339,7 +344,8 @@ def write_batch(using: str, merged: Sequence[AttemptRecord],
         if retried:
             cursor.execute(CLOSE_ABANDONED, [ABANDONED_ERROR,
                                              _joined_text([r.job_id for r in retried]),
-                                             _joined_ints([r.attempt for r in retried])])
+                                             _joined_ints([r.attempt for r in retried]),
+                                             _joined_ints([r.gen for r in retried])])
 
 
 class _Columns:
