@@ -147,9 +147,15 @@ def assert_consistent(broker: Broker, queue: str = Q) -> None:
         if state == "running":
             assert where == (0, 0, 1, False, False), (job_id, state, where)
             assert job_id in held, f"running job {job_id} has no lease"
+        elif state == "cancelled" and broker.client.pttl(key) > 0:
+            # A tombstone (a claim dropped the id, or the job was cancelled while
+            # scheduled or running and then ended): on no list, and it expires.
+            assert where == (0, 0, 0, False, False), (job_id, state, where)
+            assert job_id not in held, f"cancelled job {job_id} still has a lease"
         elif state in ("queued", "cancelled"):
-            # On landing: moved by BLMOVE, not yet claimed. A cancelled job's id
-            # stays where it was until a claim drops it.
+            # On landing: moved by BLMOVE, not yet claimed. A job cancelled while
+            # queued keeps its id where it was (its hash whole, no expiry) until a
+            # claim drops it.
             assert where in ((1, 0, 0, False, False), (0, 1, 0, False, False)), (
                 job_id, state, where)
         elif state == "scheduled":
@@ -981,11 +987,13 @@ def test_cancel_removes_a_queued_job(broker: Broker) -> None:
     assert hash_of(broker, "a")["state"] == "cancelled"
     assert_consistent(broker)
 
-    # and once a worker reaches it, it is gone and never ran; the other runs
+    # and once a worker reaches it, it is gone and never ran (its hash a
+    # tombstone that expires, as a cancelled scheduled job's); the other runs
     claimed = broker.claim(Q, count=2, lease_ms=LONG_LEASE_MS)
     assert [j.id for j in claimed.jobs] == ["b"]
     assert (claimed.dead, claimed.garbage) == ([], [])
-    assert hash_of(broker, "a") == {}
+    assert hash_of(broker, "a") == {"state": "cancelled", "gen": "0"}
+    assert 0 < broker.client.pttl(broker.keys(Q).job("a")) <= TOMBSTONE_MS
     assert (queued(broker), in_flight(broker)) == ([], ["b"])
     assert "a" not in dead(broker)
 
@@ -1190,11 +1198,11 @@ def test_a_cancelled_queued_job_stays_listed_until_a_claim_drops_it(broker: Brok
     while queued(broker):
         results.append(broker.claim(Q, count=1, lease_ms=LONG_LEASE_MS))
 
-    # Then the cancelled job is never returned, neither dead nor garbage, and its
-    # id and hash are gone; the others run
+    # Then the cancelled job is never returned, neither dead nor garbage, its
+    # id is gone and its hash a tombstone; the others run
     assert [j.id for r in results for j in r.jobs] == ["a", "c"]
     assert [(r.dead, r.garbage) for r in results] == [([], [])] * 3
-    assert hash_of(broker, "b") == {}
+    assert hash_of(broker, "b") == {"state": "cancelled", "gen": "0"}
     assert sorted(in_flight(broker)) == ["a", "c"]
     assert set(leases(broker)) == {"a", "c"}
     assert "b" not in dead(broker)
@@ -1210,9 +1218,9 @@ def test_a_cancelled_id_moved_by_blmove_is_dropped_by_the_claim(broker: Broker) 
     # When that worker claims with the moved id
     result = broker.claim(Q, count=1, lease_ms=LONG_LEASE_MS, moved_id="a")
 
-    # Then nothing is claimed, and the id and hash are gone from everywhere
+    # Then nothing is claimed, the id is gone from everywhere, its hash a tombstone
     assert (result.jobs, result.dead, result.garbage) == ([], [], [])
-    assert hash_of(broker, "a") == {}
+    assert hash_of(broker, "a") == {"state": "cancelled", "gen": "0"}
     assert (queued(broker), landing(broker), in_flight(broker)) == ([], [], [])
     assert "a" not in leases(broker) and "a" not in dead(broker)
 
@@ -1235,7 +1243,7 @@ def test_cancel_among_ten_thousand_queued_jobs_does_not_search_the_list(broker: 
     result = broker.claim(Q, count=len(ids), lease_ms=LONG_LEASE_MS)
     assert [j.id for j in result.jobs] == [job_id for job_id in ids if job_id != "j5000"]
     assert (result.dead, result.garbage, result.remaining) == ([], [], 0)
-    assert hash_of(broker, "j5000") == {}
+    assert hash_of(broker, "j5000") == {"state": "cancelled", "gen": "0"}
     assert len(in_flight(broker)) == len(ids) - 1
 
 
@@ -1600,7 +1608,7 @@ def test_two_sweeps_at_once_requeue_each_expired_job_once(broker: Broker) -> Non
 #: Commands the scripts use whose first argument is their only key.
 ONE_KEY_COMMANDS = frozenset({
     "EXISTS", "GET", "HDEL", "HGET", "HINCRBY", "HMGET", "HSET", "LINDEX", "LLEN", "LPOP", "LPOS",
-    "LPUSH", "LRANGE", "LREM", "LTRIM", "PEXPIRE", "RPUSH", "SET", "ZADD", "ZCARD", "ZINCRBY",
+    "LPUSH", "LRANGE", "LREM", "LTRIM", "PEXPIRE", "PTTL", "RPUSH", "SET", "ZADD", "ZCARD", "ZINCRBY",
     "ZRANGE", "ZRANGEBYSCORE", "ZREM", "ZREVRANGEBYSCORE", "ZSCORE",
 })
 #: Commands whose every argument is a key.

@@ -60,8 +60,10 @@
   database. A copy of an id whose job is not 'queued' is a stray and
   dropped: a 'running' job's own record is its entry in leases, which this
   script never touches for it. The id of a job cancelled while queued
-  (state 'cancelled', see cancel.lua) is dropped with its hash: that is
-  where a cancel takes effect.
+  (state 'cancelled', see cancel.lua) is dropped, and its hash becomes a
+  tombstone for CANCELLED_TOMBSTONE_MS (an hour, see the tombstone include):
+  that is where a cancel takes effect, and a late push of the job is still
+  refused after it.
 
   attempts, gen and max_attempts are read as whole numbers from 0 (1) to
   2^31 - 1 (the mirror's integer columns) whatever the hash holds, and
@@ -125,6 +127,8 @@ end
 --- @include "stray"
 
 --- @include "server_clock"
+
+--- @include "tombstone"
 
 local now = now_ms()
 local deadline_ms = now + lease_ms
@@ -254,7 +258,13 @@ for index, job_id in ipairs(ids) do
     redis.call('ZADD', dead_key, now, job_id)
     garbage[#garbage + 1] = job_id
   elseif job[1] == 'cancelled' then
-    redis.call('DEL', job_key)
+    -- Cancelled while queued (cancel.lua marks the whole hash, no expiry):
+    -- its id is dropped here, and its hash cut down to a tombstone that
+    -- lives as long as a scheduled or running job's, so a late push of it
+    -- is still refused. A tombstone that already expires is left as it is.
+    if redis.call('PTTL', job_key) == -1 then
+      leave_tombstone(job_id, 'cancelled', job[5] or '0', CANCELLED_TOMBSTONE_MS)
+    end
   elseif job[1] ~= 'queued' then
     -- A stray second copy of a job that lives elsewhere (a running job's
     -- record is its lease): dropped.
