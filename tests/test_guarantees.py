@@ -662,3 +662,24 @@ def test_a_stale_holders_late_record_does_not_close_the_current_attempt(
     assert (attempt.outcome, attempt.worker_id) == (AttemptOutcome.SUCCEEDED, "B")
     row = Job.objects.get(pk=result.id)
     assert (row.state, row.attempts, row.generation) == (JobState.SUCCEEDED, 1, 1)
+
+
+def test_a_key_of_another_type_under_a_jobs_name_is_rebuilt_by_reconcile(
+    rj_settings: Any, redis_client: redis.Redis
+) -> None:
+    # Given: a queued job whose hash someone replaced by hand with a key of
+    # another type, its id gone from the list
+    rj_settings()
+    backend = task_backends["default"]
+    result = demo.add.enqueue(1, 2)
+    redis_client.delete(KEYS.job(result.id), KEYS.queued)
+    redis_client.set(KEYS.job(result.id), "not a hash")
+    backdate(result.id)
+
+    # When: the sweep reconciles
+    pushed = Sweep(backend).reconcile().pushed
+
+    # Then: Redis holds no job there, so the job is pushed again over the key, and runs
+    assert pushed == 1
+    [job] = backend.broker.claim("default", count=1, lease_ms=60_000).jobs
+    assert (job.id, job.gen) == (result.id, 1)

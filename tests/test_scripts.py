@@ -892,6 +892,81 @@ def test_a_key_of_another_type_under_a_jobs_name_is_garbage_not_an_error(
     assert queued(broker) == ["last"]
 
 
+def test_a_key_of_another_type_at_a_bands_head_does_not_fail_the_fair_share(
+    broker: Broker
+) -> None:
+    # Given a queue with two priorities waiting, claims under a fair share,
+    # an id at the head of queued whose job key is not a hash, and a real job
+    # a waiting worker moved onto landing
+    broker.fair_share = 1
+    enqueue(broker, "real")
+    assert broker.enqueue(Q, [NewJob("high", "{}", 3, priority=5)]) == 1
+    assert broker.wait([Q], timeout_s=1.0) == (Q, "real")
+    broker.client.set(broker.keys(Q).job("odd"), "not a hash")
+    broker.client.rpush(broker.keys(Q).queued, "odd")
+
+    # When that worker claims with the moved id
+    result = broker.claim(Q, count=5, lease_ms=LONG_LEASE_MS, moved_id="real")
+
+    # Then the claim does not fail half-way: the moved job and the other
+    # priority's job are leased, the odd id is garbage, and nothing is left
+    # on no list
+    assert sorted(j.id for j in result.jobs) == ["high", "real"]
+    assert result.garbage == ["odd"]
+    assert sorted(in_flight(broker)) == ["high", "real"]
+    assert (queued(broker), landing(broker)) == ([], [])
+
+
+def _odd_calls(broker: Broker, held: ClaimedJob) -> dict[str, Callable[[], Any]]:
+    """Each script that reads a job hash, called with "odd" where a job id goes, and
+    (for the batch scripts) the real job ``held`` beside it; what each must return."""
+    fence = held.fence
+    return {
+        "ack": lambda: broker.ack(Q, [("odd", 1, 0), fence]) == [0, 1],
+        "cancel": lambda: broker.cancel(Q, "odd") == (False, ""),
+        "enqueue": lambda: broker.enqueue(Q, [new_job("odd"), new_job("new")]) == 2,
+        "expired": lambda: broker.expired(Q) == [],
+        "extend": lambda: broker.extend(Q, [("odd", 1, 0), fence],
+                                        lease_ms=LONG_LEASE_MS) == [0, 1],
+        "latency": lambda: broker.latency(Q).oldest_ready_ms is None,
+        "nack": lambda: broker.nack(Q, [("odd", 1, 0, 0, "x"), (*fence, 0, "x")]) == [0, 1],
+        "promote": lambda: broker.promote(Q) == 0,
+        "purge": lambda: broker.purge(Q, ["odd"]) == 0,
+        "recover": lambda: broker.recover(
+            Q, lease_ms=LONG_LEASE_MS, settle=[Settlement("odd", 1, 0, "succeeded")]
+        ).outcomes == [RecoveredJob("odd", 0, "garbage")],
+        "release": lambda: broker.release(Q, [("odd", 1, 0, True), (*fence, False)]) == [0, 1],
+        "reprioritize": lambda: broker.reprioritize(Q, "odd", 5)[:2] == (False, ""),
+        "requeue": lambda: broker.requeue(Q, "odd") == (False, ""),
+        "revive": lambda: broker.revive(Q, "odd", extra_attempts=1) is False,
+        "start": lambda: broker.start(Q, [("odd", 1, 0), fence]) == [0, 1],
+        "claim": lambda: broker.claim(Q, count=5, lease_ms=LONG_LEASE_MS).garbage == ["odd"],
+    }
+
+
+@pytest.mark.parametrize("name", [n for n in scripts.SCRIPT_NAMES if n != "wake"])
+def test_a_key_of_another_type_under_a_jobs_name_fails_no_script(
+    broker: Broker, name: str
+) -> None:
+    # Given a real job held by a worker, and an id on every list and set whose
+    # job key is not a hash (written by hand), its lease and due time past
+    enqueue(broker, "real")
+    held = claim_one(broker)
+    k = broker.keys(Q)
+    broker.client.set(k.job("odd"), "not a hash")
+    broker.client.rpush(k.queued, "odd")
+    broker.client.zadd(k.leases, {"odd": 0})
+    broker.client.zadd(k.scheduled, {"odd": 0})
+    broker.client.zadd(k.dead, {"odd": 0})
+    calls = _odd_calls(broker, held)
+
+    # When the script is called with that id (beside the real job, for a batch)
+    # Then it does not fail: the odd id reads as no job (or garbage), and the
+    # real job is handled as if the odd id were not there
+    assert calls[name]() is True
+    assert name != "enqueue" or hash_of(broker, "odd")["state"] == "queued"
+
+
 def test_recover_moves_garbage_on_landing_aside(broker: Broker) -> None:
     # Given an id on landing whose job hash does not exist
     broker.client.lpush(broker.keys(Q).landing, "ghost")
@@ -1223,6 +1298,27 @@ def test_a_cancelled_id_moved_by_blmove_is_dropped_by_the_claim(broker: Broker) 
     assert hash_of(broker, "a") == {"state": "cancelled", "gen": "0"}
     assert (queued(broker), landing(broker), in_flight(broker)) == ([], [], [])
     assert "a" not in leases(broker) and "a" not in dead(broker)
+
+
+def test_a_cancelled_id_whose_worker_died_on_landing_leaves_a_tombstone(broker: Broker) -> None:
+    # Given a queued job cancelled, then moved onto landing by a worker that
+    # died before its claim (the sweep leases the orphan, and the lease expires)
+    enqueue(broker, "a")
+    assert broker.cancel(Q, "a") == (True, "queued")
+    assert broker.wait([Q], timeout_s=1.0) == (Q, "a")
+    assert broker.recover(Q, lease_ms=SHORT_LEASE_MS).stamped == 1
+    wait_past(broker, leases(broker)["a"])
+
+    # When the sweep recovers it
+    result = broker.recover(Q, lease_ms=SHORT_LEASE_MS)
+
+    # Then the id is dropped from everywhere, its hash a tombstone that
+    # refuses a late push of the job
+    assert result.outcomes == [RecoveredJob("a", 0, "dropped")]
+    assert (queued(broker), landing(broker), leases(broker)) == ([], [], {})
+    assert hash_of(broker, "a") == {"state": "cancelled", "gen": "0"}
+    assert 0 < broker.client.pttl(broker.keys(Q).job("a")) <= TOMBSTONE_MS
+    assert broker.enqueue(Q, [new_job("a")]) == 0
 
 
 def test_cancel_among_ten_thousand_queued_jobs_does_not_search_the_list(broker: Broker) -> None:
@@ -1608,8 +1704,8 @@ def test_two_sweeps_at_once_requeue_each_expired_job_once(broker: Broker) -> Non
 #: Commands the scripts use whose first argument is their only key.
 ONE_KEY_COMMANDS = frozenset({
     "EXISTS", "GET", "HDEL", "HGET", "HINCRBY", "HMGET", "HSET", "LINDEX", "LLEN", "LPOP", "LPOS",
-    "LPUSH", "LRANGE", "LREM", "LTRIM", "PEXPIRE", "PTTL", "RPUSH", "SET", "ZADD", "ZCARD", "ZINCRBY",
-    "ZRANGE", "ZRANGEBYSCORE", "ZREM", "ZREVRANGEBYSCORE", "ZSCORE",
+    "LPUSH", "LRANGE", "LREM", "LTRIM", "PEXPIRE", "PTTL", "RPUSH", "SET", "ZADD", "ZCARD",
+    "ZINCRBY", "ZRANGE", "ZRANGEBYSCORE", "ZREM", "ZREVRANGEBYSCORE", "ZSCORE",
 })
 #: Commands whose every argument is a key.
 ALL_KEY_COMMANDS = frozenset({"DEL"})

@@ -31,9 +31,11 @@ local queued_key = KEYS[1]
 local scheduled_key = KEYS[2]
 local job_prefix = KEYS[3]
 
+--- @include "read_job"
+
 local job_id = ARGV[1]
 local job_key = job_prefix .. job_id
-local state = redis.call('HGET', job_key, 'state') or ''
+local state = read_job(job_id, 'state')[1] or ''
 if state == 'queued' then
   redis.call('HSET', job_key, 'state', 'cancelled')
   return { 1, state }

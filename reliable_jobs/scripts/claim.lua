@@ -130,6 +130,8 @@ end
 
 --- @include "tombstone"
 
+--- @include "read_job"
+
 local now = now_ms()
 local deadline_ms = now + lease_ms
 
@@ -205,7 +207,9 @@ elseif wanted > 0 then
     for _, band in ipairs(bands) do
       local head = head_of(band)
       if head then
-        local ms = tonumber(redis.call('HGET', job_prefix .. head, 'enqueued_ms')) or 0
+        -- (read_job: a head whose key is not a hash reads as 0, is taken
+        -- first and moved aside as garbage below.)
+        local ms = tonumber(read_job(head, 'enqueued_ms')[1]) or 0
         -- Bands go highest first: on a tie (the same ms) the lower one wins.
         if oldest_ms == nil or ms <= oldest_ms then
           oldest, oldest_ms = band, ms
@@ -236,14 +240,11 @@ end
 local jobs, dead, garbage, lease_args = {}, {}, {}, {}
 for index, job_id in ipairs(ids) do
   local job_key = job_prefix .. job_id
-  -- pcall: a key of another type under a job's name (written by hand) makes
-  -- HMGET fail; the id is then garbage like one with a damaged hash, instead
-  -- of an error that would end this script after the ids left queued.
-  local job = redis.pcall('HMGET', job_key, 'state', 'attempts', 'max_attempts', 'payload',
-    'gen', 'ready_ms', 'enqueued_ms', 'priority')
-  if job.err then
-    job = {}
-  end
+  -- A key of another type under a job's name reads as a damaged hash
+  -- (read_job): the id is garbage, never an error that would end this script
+  -- after the ids it took off their lists.
+  local job = read_job(job_id, 'state', 'attempts', 'max_attempts', 'payload', 'gen',
+    'ready_ms', 'enqueued_ms', 'priority')
   local gen = count_of(job[5], 0)
   if job[1] == false and consume_stray(job_id) then
     -- A copy left behind by a reprioritize whose job has finished since:

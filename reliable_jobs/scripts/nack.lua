@@ -44,6 +44,8 @@ local band_prefix = KEYS[8]
 --- @include "wake_marker"
 --- @include "fence"
 
+--- @include "read_job"
+
 --- @include "band_of"
 
 --- @include "band_push"
@@ -76,7 +78,7 @@ for i = 1, #ARGV, 5 do
   local job_key = job_prefix .. job_id
   local delay_ms = delay_of(ARGV[i + 3])
   local error_text = ARGV[i + 4]
-  local job = redis.call('HMGET', job_key, 'state', 'attempts', 'gen', 'cancel', 'priority')
+  local job = read_job(job_id, 'state', 'attempts', 'gen', 'cancel', 'priority')
   if holds(job, ARGV[i + 1], ARGV[i + 2]) then
     redis.call('ZREM', leases_key, job_id)
     if job[4] then

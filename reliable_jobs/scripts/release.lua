@@ -37,6 +37,8 @@ local band_prefix = KEYS[6]
 --- @include "wake_marker"
 --- @include "fence"
 
+--- @include "read_job"
+
 --- @include "band_of"
 
 --- @include "band_push"
@@ -59,7 +61,7 @@ local released = 0
 for i = 1, #ARGV, 4 do
   local job_id = ARGV[i]
   local job_key = job_prefix .. job_id
-  local job = redis.call('HMGET', job_key, 'state', 'attempts', 'gen', 'cancel', 'priority')
+  local job = read_job(job_id, 'state', 'attempts', 'gen', 'cancel', 'priority')
   if holds(job, ARGV[i + 1], ARGV[i + 2])
       and job[4] then
     redis.call('ZREM', leases_key, job_id)

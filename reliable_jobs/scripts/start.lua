@@ -24,11 +24,13 @@ local job_prefix = KEYS[1]
 
 --- @include "fence"
 
+--- @include "read_job"
+
 local results = {}
 for i = 1, #ARGV, 3 do
   local job_id = ARGV[i]
   local job_key = job_prefix .. job_id
-  local job = redis.call('HMGET', job_key, 'state', 'attempts', 'gen', 'cancel')
+  local job = read_job(job_id, 'state', 'attempts', 'gen', 'cancel')
   if holds(job, ARGV[i + 1], ARGV[i + 2]) and job[4] then
     results[#results + 1] = 2
   elseif holds(job, ARGV[i + 1], ARGV[i + 2]) then
