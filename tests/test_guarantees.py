@@ -335,6 +335,36 @@ def test_an_executor_never_runs_a_job_whose_lease_was_lost() -> None:
     assert len(in_hand) == 0
 
 
+def test_an_executor_lets_go_of_a_claim_whose_lease_expired_before_it_started(
+    rj_settings: Any, redis_client: redis.Redis
+) -> None:
+    # Given: a worker holding a claim whose lease expired before its start
+    # mark (the worker stalled; no sweep has run yet)
+    rj_settings()
+    backend = task_backends["default"]
+    broker: Broker = backend.broker
+    result = demo.add.enqueue(1, 2)
+    worker = Worker(backend, queues=["default"])
+    [job] = broker.claim("default", count=1, lease_ms=50).jobs
+    worker.in_hand.add([job])
+    wait_until(lambda: (lease_of(redis_client, job.id) or 0) < broker.server_time_ms(),
+               message="the claim's lease to expire")
+
+    # When: an executor thread marks it started
+    started = worker.executor._mark_started([job])
+
+    # Then: it is not run and leaves the hand (its lease is no longer
+    # renewed), nothing is recorded, and the sweep requeues it as a claim
+    # that never started
+    assert started == []
+    assert len(worker.in_hand) == 0
+    assert not Attempt.objects.filter(job_id=result.id).exists()
+    assert redis_client.hget(KEYS.job(job.id), "started") is None
+    assert Sweep(backend).redis_pass().requeued == 1
+    [again] = broker.claim("default", count=1, lease_ms=60_000).jobs
+    assert (again.id, again.attempt, again.max_attempts) == (job.id, 2, job.max_attempts + 1)
+
+
 # -- 4 and 5. reconcile, cancel and late pushes cannot resurrect a job ---------
 
 

@@ -25,6 +25,7 @@ from redis.crc import key_slot
 from reliable_jobs import scripts
 from reliable_jobs.broker import (
     TOMBSTONE_MS,
+    Applied,
     Broker,
     ClaimedJob,
     NewJob,
@@ -890,6 +891,25 @@ def test_a_key_of_another_type_under_a_jobs_name_is_garbage_not_an_error(
     assert {(o.id, o.kind) for o in recovered.outcomes} == {("first", "garbage"),
                                                              ("last", "unstarted")}
     assert queued(broker) == ["last"]
+
+
+def test_start_refuses_a_claim_whose_lease_expired(broker: Broker) -> None:
+    # Given a job claimed under a short lease that has expired (the worker
+    # stalled before its start mark; no sweep has run yet)
+    enqueue(broker, "a")
+    job = claim_one(broker, lease_ms=SHORT_LEASE_MS)
+    wait_past(broker, leases(broker)["a"])
+
+    # When its holder marks it started
+    replies = broker.start(Q, [job.fence])
+
+    # Then it is refused as expired (a reply of its own: do not run it), not
+    # marked started, and the sweep requeues it as a claim that never started
+    assert replies == [Applied.EXPIRED] and not replies[0]
+    assert "started" not in hash_of(broker, "a")
+    result = broker.recover(Q, lease_ms=LONG_LEASE_MS)
+    assert result.outcomes == [RecoveredJob("a", 1, "unstarted", max_attempts=4)]
+    assert queued(broker) == ["a"]
 
 
 def test_a_key_of_another_type_at_a_bands_head_does_not_fail_the_fair_share(

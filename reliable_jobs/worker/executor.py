@@ -182,7 +182,8 @@ class Executor:
         held = [job for job, ok in zip(jobs, marked, strict=True) if ok == Applied.DONE]
         if len(held) == len(jobs):  # the usual case: every job still ours
             return held
-        lost = [job for job, ok in zip(jobs, marked, strict=True) if ok == Applied.REFUSED]
+        lost = [job for job, ok in zip(jobs, marked, strict=True)
+                if ok in (Applied.REFUSED, Applied.EXPIRED)]
         for job, ok in zip(jobs, marked, strict=True):
             if ok == Applied.CANCELLED:
                 # Cancelled between its claim and its start: never run, ack it
@@ -196,11 +197,18 @@ class Executor:
                 logger.info("Job %s attempt %d was cancelled before it started; not running it.",
                             printable(job.id), job.attempt)
         if lost:
+            # Not released: an expired claim is the sweep's to requeue (as never
+            # started), and one no longer held is someone else's.
             self.in_hand.drop(lost)
             self.slot_freed.set()
-            for job in lost:
-                logger.warning("Job %s attempt %d is no longer held (lease lost before it "
-                               "started); not running it.", printable(job.id), job.attempt)
+            for job, ok in zip(jobs, marked, strict=True):
+                if ok == Applied.EXPIRED:
+                    logger.warning("Job %s attempt %d: its lease expired before it started; "
+                                   "not running it (the sweep requeues it).",
+                                   printable(job.id), job.attempt)
+                elif ok == Applied.REFUSED:
+                    logger.warning("Job %s attempt %d is no longer held (lease lost before it "
+                                   "started); not running it.", printable(job.id), job.attempt)
         return held
 
     def _execute(self, job: ClaimedJob, cancellation: Cancellation) -> None:
