@@ -2,7 +2,7 @@
 
 The backend is thin: it validates and enqueues (a database row in the
 caller's transaction, then a Redis push on commit), and reads results from
-the mirror. Running jobs is the worker's business (``worker.py``).
+the mirror. Running jobs is the worker's business (the ``worker`` package).
 
 Nothing here imports the models (``models``, ``mirror``, ``staff``) at
 module level: Django loads this module for ``manage.py check`` even when
