@@ -24,6 +24,9 @@ TARGET = re.compile(r"#\s*([\w/]+\.py)\b")
 FENCE = re.compile(r"^(`{3,})([^\n`]*)\n(.*?)^\1[ \t]*$", flags=re.MULTILINE | re.DOTALL)
 #: MyST directives (```{toctree}, ```{include}): Sphinx reads them, the build checks them.
 DIRECTIVE = re.compile(r"\{[\w-]+\}")
+#: The pages whose Python blocks run together in one generated project (tests/test_readme.py):
+#: the tutorial, then the how-to pages. The README's example runs in a project of its own.
+DOCS_PAGES = [DOCS / "tutorial.md", *sorted((DOCS / "howto").glob("*.md"))]
 #: Languages of blocks, each with its checker (see docs/CONTRIBUTING.md).
 KINDS = ("python", "sh", "json", "yaml", "ini", "text")
 

@@ -31,14 +31,12 @@ from django.db import connections
 
 from reliable_jobs.sweep import SweepReport
 
-from .docblocks import DOCS, README, Block, project_blocks, shell_blocks
+from .docblocks import DOCS, DOCS_PAGES, README, Block, project_blocks, shell_blocks
 from .helpers import REDIS_URL, REPO
 
 #: Seconds any one command may take on a loaded 2-core machine (migrate is the slowest).
 COMMAND_TIMEOUT_S = 120
 TUTORIAL = DOCS / "tutorial.md"
-#: The pages whose blocks go into the docs' project: the tutorial, then the how-to pages.
-DOCS_PAGES = [TUTORIAL, *sorted((DOCS / "howto").glob("*.md"))]
 #: What a block naming no file may use without importing it: the app's tasks.
 SHELL_PREAMBLE = "from myapp.tasks import *  # noqa: F403\n"
 
