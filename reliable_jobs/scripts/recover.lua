@@ -183,9 +183,7 @@ for i = 7, listed_from - 1, 5 do
       and (final == 'succeeded' or final == 'dead' or final == 'cancelled') then
     redis.call('ZREM', leases_key, job_id)
     if final == 'cancelled' then
-      redis.call('DEL', job_key)
-      redis.call('HSET', job_key, 'state', 'cancelled', 'gen', gen)
-      redis.call('PEXPIRE', job_key, tombstone_ms)
+      leave_tombstone(job_id, 'cancelled', gen, tombstone_ms)
     elseif final == 'dead' then
       redis.call('ZADD', dead_key, now, job_id)
       redis.call('HSET', job_key, 'state', 'dead', 'finished_ms', now,
@@ -193,9 +191,7 @@ for i = 7, listed_from - 1, 5 do
     elseif gen == '0' then
       redis.call('DEL', job_key)
     else
-      redis.call('DEL', job_key)
-      redis.call('HSET', job_key, 'state', 'finished', 'gen', gen)
-      redis.call('PEXPIRE', job_key, tombstone_ms)
+      leave_tombstone(job_id, 'finished', gen, tombstone_ms)
     end
     report(job_id, count_of(job[2], 0), count_of(job[4], 1), 'settled', gen)
   end
@@ -233,9 +229,7 @@ for _, job_id in ipairs(expired) do
       redis.call('ZADD', dead_key, now, job_id)
     elseif job[1] == 'running' and job[6] then
       kind = 'cancelled'
-      redis.call('DEL', job_key)
-      redis.call('HSET', job_key, 'state', 'cancelled', 'gen', job[5] or '0')
-      redis.call('PEXPIRE', job_key, tombstone_ms)
+      leave_tombstone(job_id, 'cancelled', job[5] or '0', tombstone_ms)
     elseif job[1] == 'running' and job[4] ~= job[2] then
       kind = 'unstarted'
       max_attempts = math.min(max_attempts + 1, MAX_COUNT)

@@ -53,8 +53,7 @@ end
 -- every list.
 --- @include "count_of"
 
--- How long a cancelled job's tombstone lives (broker.TOMBSTONE_MS).
-local CANCELLED_TOMBSTONE_MS = 3600000
+--- @include "tombstone"
 
 local results = {}
 local released = 0
@@ -65,9 +64,7 @@ for i = 1, #ARGV, 4 do
   if holds(job, ARGV[i + 1], ARGV[i + 2])
       and job[4] then
     redis.call('ZREM', leases_key, job_id)
-    redis.call('DEL', job_key)
-    redis.call('HSET', job_key, 'state', 'cancelled', 'gen', job[3] or '0')
-    redis.call('PEXPIRE', job_key, CANCELLED_TOMBSTONE_MS)
+    leave_tombstone(job_id, 'cancelled', job[3] or '0', CANCELLED_TOMBSTONE_MS)
     results[#results + 1] = 2
   elseif holds(job, ARGV[i + 1], ARGV[i + 2]) then
     redis.call('ZREM', leases_key, job_id)

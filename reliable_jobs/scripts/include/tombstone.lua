@@ -8,8 +8,9 @@
   on-commit push), so the job never runs again. The including script names
   job_prefix as a local before the include line.
 ]]
--- How long a cancelled job's tombstone lives, in milliseconds (an hour), in the
--- scripts the broker passes no tombstone_ms (claim, nack, release).
+-- How long a cancelled job's tombstone lives, in milliseconds (an hour,
+-- broker.TOMBSTONE_MS), in the scripts the broker passes no tombstone_ms
+-- (claim, nack, release; cancel when its argument is not a whole number).
 local CANCELLED_TOMBSTONE_MS = 3600000
 
 local function leave_tombstone(job_id, state, gen, ttl_ms)
