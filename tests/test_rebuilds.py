@@ -1,0 +1,260 @@
+"""Rebuilds from the mirror (reconcile, staff retry and requeue) and what may undo them.
+
+Each test stages one interleaving with real Redis and PostgreSQL: a rebuild
+whose transaction dies while its push is slow, a late push that lands
+between reconcile's look and its push, a cancel Redis lost, a prune racing
+a job Redis still holds, and a queue whose scripts fail beside healthy ones.
+Faults are injected by wrapping one broker method, or by the server ending
+a session idle in its transaction (as the worker's own session limit does).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import redis
+from django.db import DatabaseError, InterfaceError, connection
+from django.utils import timezone
+
+from reliable_jobs import mirror, staff
+from reliable_jobs.broker import Broker, ClaimedJob, NewJob
+from reliable_jobs.compat import task_backends
+from reliable_jobs.keys import QueueKeys
+from reliable_jobs.mirror import AttemptRecord
+from reliable_jobs.models import Attempt, AttemptOutcome, Job, JobState
+from reliable_jobs.sweep import Sweep
+from testproject.demo import tasks as demo
+
+from .helpers import Processes, backdate
+
+pytestmark = pytest.mark.django_db(transaction=True)
+KEYS = QueueKeys("rj", "default")
+CRASHED = 86  # faults.crash_point's exit code
+
+
+def ran(job: ClaimedJob) -> list[AttemptRecord]:
+    """The start and success records a worker writes for ``job``."""
+    now = timezone.now()
+    return [AttemptRecord(job_id=job.id, attempt=job.attempt, gen=job.gen,
+                          job_state=JobState.RUNNING, worker_id="w", started_at=now),
+            AttemptRecord(job_id=job.id, attempt=job.attempt, gen=job.gen,
+                          job_state=JobState.SUCCEEDED, worker_id="w", started_at=now,
+                          finished_at=now, outcome=AttemptOutcome.SUCCEEDED, return_value=3)]
+
+
+def run_to_the_end(broker: Broker, *, alone: bool = True) -> ClaimedJob:
+    """Claim a job (the one job waiting, when ``alone``), mirror its run, ack it:
+    what a worker does."""
+    jobs = broker.claim("default", count=10 if alone else 1, lease_ms=60_000).jobs
+    assert len(jobs) == 1, jobs
+    assert broker.start("default", [jobs[0].fence]) == [True]
+    mirror.record("default", ran(jobs[0]))
+    assert broker.ack("default", [jobs[0].fence]) == [True]
+    return jobs[0]
+
+
+@contextmanager
+def around_script(broker: Broker, name: str, before: Callable[[], Any]) -> Iterator[None]:
+    """Run ``before`` each time ``broker`` is about to run the script ``name``
+    (the script runs as usual for ``before`` itself)."""
+    real = broker._run
+    inside: list[bool] = []
+
+    def run(script: str, keys: Any, args: Any) -> Any:
+        if script == name and not inside:
+            inside.append(True)
+            try:
+                before()
+            finally:
+                inside.clear()
+        return real(script, keys, args)
+
+    broker._run = run  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        broker._run = real  # type: ignore[method-assign]
+
+
+@contextmanager
+def idle_in_transaction_timeout(ms: int) -> Iterator[None]:
+    """This test's database session ends any transaction left idle for ``ms``
+    (the worker's sessions carry the same limit: half a lease)."""
+    with connection.cursor() as cursor:
+        cursor.execute(f"SET idle_in_transaction_session_timeout = {int(ms)}")
+    try:
+        yield
+    finally:
+        connection.close()  # the next query opens a session without the limit
+
+
+def as_the_maintenance_thread(action: Callable[[], Any]) -> None:
+    """Run ``action`` as a worker's maintenance thread does: a database error is
+    logged and retried at the next pass, the connection dropped."""
+    try:
+        action()
+    except (DatabaseError, InterfaceError):
+        connection.close()
+
+
+needs_postgresql = pytest.mark.skipif(
+    connection.vendor != "postgresql",
+    reason="the session limit idle_in_transaction_session_timeout is PostgreSQL's")
+
+
+# -- item 1: a rebuild commits its generation before it pushes ---------------
+
+
+@needs_postgresql
+def test_a_reconcile_whose_push_answers_slowly_still_leaves_row_and_redis_agreeing(
+    rj_settings: Any, redis_client: redis.Redis
+) -> None:
+    # Given: a job Redis lost, and a push that answers slowly (Redis just
+    # restarted), slower than the session may sit idle in a transaction
+    rj_settings()
+    backend = task_backends["default"]
+    result = demo.add.enqueue(1, 2)
+    redis_client.flushdb()
+    backdate(result.id)
+
+    # When: reconcile rebuilds it
+    with idle_in_transaction_timeout(200), around_script(
+            backend.broker, "enqueue", lambda: time.sleep(0.6)):
+        as_the_maintenance_thread(Sweep(backend).reconcile)
+
+    # Then: the job runs once and its run is the job's history
+    job = run_to_the_end(backend.broker)
+    row = Job.objects.get(pk=result.id)
+    assert (row.state, row.generation, row.return_value) == (JobState.SUCCEEDED, job.gen, 3)
+    assert Attempt.objects.filter(job=row, outcome=AttemptOutcome.SUCCEEDED).count() == 1
+    backdate(result.id)
+    assert Sweep(backend).reconcile().pushed == 0
+
+
+@needs_postgresql
+@pytest.mark.parametrize("action", ["retry", "requeue"])
+def test_a_staff_rebuild_whose_push_answers_slowly_is_not_lost(
+    action: str, rj_settings: Any, redis_client: redis.Redis
+) -> None:
+    # Given: a dead (for retry) or cancelled (for requeue) job Redis no
+    # longer holds, and a push that answers slowly
+    rj_settings()
+    backend = task_backends["default"]
+    result = demo.add.enqueue(1, 2)
+    ended = JobState.DEAD if action == "retry" else JobState.CANCELLED
+    Job.objects.filter(pk=result.id).update(state=ended, finished_at=timezone.now())
+    redis_client.flushdb()
+
+    # When: staff retry or requeue it
+    with idle_in_transaction_timeout(200), around_script(
+            backend.broker, "enqueue", lambda: time.sleep(0.6)):
+        as_the_maintenance_thread(lambda: getattr(staff, action)(backend, result.id))
+
+    # Then: the job runs, and its run is the job's history (the row is not
+    # left dead or cancelled under a job Redis runs)
+    job = run_to_the_end(backend.broker)
+    row = Job.objects.get(pk=result.id)
+    assert (row.state, row.generation, row.return_value) == (JobState.SUCCEEDED, job.gen, 3)
+
+
+@pytest.mark.parametrize("point", ["reconcile_before_push", "reconcile_after_push"])
+def test_a_reconcile_killed_around_its_push_loses_nothing_and_runs_the_job_once(
+    point: str, rj_settings: Any, processes: Processes, redis_client: redis.Redis
+) -> None:
+    # Given: jobs Redis lost
+    env = rj_settings()
+    backend = task_backends["default"]
+    ids = [demo.add.enqueue(i, 0).id for i in range(3)]
+    redis_client.flushdb()
+    backdate(*ids)
+
+    # When: a sweep dies just before or just after its push
+    sweep = processes.manage("recoverjobs", env=env, extra_env={"RJ_CRASH_AT": point})
+    assert sweep.wait(timeout=30) == CRASHED, processes.log(sweep)
+    # ... and the next reconcile, after the grace, pushes what is missing
+    backdate(*ids)
+    Sweep(backend).reconcile()
+
+    # Then: each job runs once, and that run is its history
+    for _ in ids:
+        run_to_the_end(backend.broker, alone=False)
+    assert backend.broker.claim("default", count=10, lease_ms=60_000).jobs == []
+    assert set(Job.objects.filter(pk__in=ids).values_list("state", flat=True)) == {
+        JobState.SUCCEEDED}
+    assert Attempt.objects.filter(job_id__in=ids).count() == len(ids)
+
+
+# -- item 2 and 13: only what Redis took moves the row, and is counted --------
+
+
+def test_a_late_push_landing_before_reconciles_push_is_taken_over(
+    rj_settings: Any, redis_client: redis.Redis
+) -> None:
+    # Given: a job whose on-commit push is held up past the grace, so
+    # reconcile finds it missing
+    rj_settings()
+    backend = task_backends["default"]
+    broker: Broker = backend.broker
+    result = demo.add.enqueue(1, 2)
+    row = Job.objects.get(pk=result.id)
+    late = NewJob(str(row.pk), '{"task":"testproject.demo.tasks.add","args":[1,2],"kwargs":{}}', 3)
+    redis_client.flushdb()
+    backdate(result.id)
+
+    # When: the late push (generation 0) lands between reconcile's look and its push
+    with around_script(broker, "enqueue", lambda: broker._run(
+            "enqueue", _enqueue_keys(broker), [late.id, late.payload, 3, 0, 0, 0, 0])):
+        report = Sweep(backend).reconcile()
+
+    # Then: one job waits, of the row's generation, and the run of it is the
+    # job's history
+    assert report.pushed == 1
+    assert redis_client.lrange(KEYS.queued, 0, -1) == [result.id]
+    job = run_to_the_end(broker)
+    row.refresh_from_db()
+    assert (job.gen, row.state, row.generation) == (1, JobState.SUCCEEDED, 1)
+
+
+def _enqueue_keys(broker: Broker) -> tuple[str, ...]:
+    k = broker.keys("default")
+    return (k.queued, k.scheduled, k.wake, k.job_prefix, k.bands, k.band_prefix)
+
+
+def test_a_late_push_claimed_before_reconciles_push_keeps_the_row_on_its_generation(
+    rj_settings: Any, redis_client: redis.Redis
+) -> None:
+    # Given: a job whose on-commit push is held up past the grace
+    rj_settings()
+    backend = task_backends["default"]
+    broker: Broker = backend.broker
+    result = demo.add.enqueue(1, 2)
+    payload = '{"task":"testproject.demo.tasks.add","args":[1,2],"kwargs":{}}'
+    redis_client.flushdb()
+    backdate(result.id)
+    held: list[ClaimedJob] = []
+
+    def late_push_claimed() -> None:
+        if not held:
+            broker._run("enqueue", _enqueue_keys(broker), [result.id, payload, 3, 0, 0, 0, 0])
+            held.extend(broker.claim("default", count=1, lease_ms=60_000).jobs)
+
+    # When: the late push lands, and a worker claims it, between reconcile's
+    # look and its push
+    with around_script(broker, "enqueue", late_push_claimed):
+        report = Sweep(backend).reconcile()
+
+    # Then: nothing was pushed, and the holder's run is the job's history
+    assert report.pushed == 0
+    (job,) = held
+    assert broker.start("default", [job.fence]) == [True]
+    mirror.record("default", ran(job))
+    assert broker.ack("default", [job.fence]) == [True]
+    row = Job.objects.get(pk=result.id)
+    assert (row.state, row.generation, row.return_value) == (JobState.SUCCEEDED, 0, 3)
+    backdate(result.id)
+    assert Sweep(backend).reconcile().pushed == 0
