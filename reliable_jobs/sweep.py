@@ -22,7 +22,7 @@ from django.db import DatabaseError, InterfaceError, connections, transaction
 from django.utils import timezone
 
 from . import mirror, payload, telemetry
-from .broker import REDIS_ERRORS, Fence, NewJob, RecoverResult, Settlement, epoch_ms
+from .broker import REDIS_ERRORS, Broker, Fence, NewJob, RecoverResult, Settlement, epoch_ms
 from .exceptions import LeaseExpired, class_path
 from .faults import crash_point
 from .mirror import AttemptRecord
@@ -77,6 +77,36 @@ def rebuilt_job(row: Job, *, max_attempts: int, due_ms: int = 0,
     text = payload.encode(row.task_path, tuple(row.args), dict(row.kwargs), max_bytes=max_bytes)
     return NewJob(str(row.pk), text, max_attempts, due_ms=due_ms, attempts=row.attempts,
                   gen=row.generation, priority=row.priority)
+
+
+def push_rebuilt(broker: Broker, database: str, queue: str, jobs: list[NewJob], *,
+                 register: bool = False) -> list[bool]:
+    """Push rebuilt jobs whose rows already hold their new generation; say which Redis took.
+
+    Every rebuild (reconcile, a staff retry or requeue) commits the row's
+    new generation first and pushes after, as enqueue pushes after its
+    commit: a push never outruns a row that could still roll back (the
+    database would then refuse every record of the job it pushed). A crash
+    between the two leaves a row with no Redis job, which reconcile
+    rebuilds once the grace has passed (the commit freshened the row).
+
+    A push Redis refuses found the job there already. Of the same or a
+    newer generation: another rebuild since, which the row holds too. Of an
+    older one, claimed or dead (a waiting one is taken over, see
+    enqueue.lua): a late push that landed after the look; that incarnation
+    is the job, so the row goes back to its generation and the holder's
+    records land (mirror.follow_held_generation).
+    """
+    written = broker.enqueue_each(queue, jobs, register=register)
+    refused = [job for job, taken in zip(jobs, written, strict=True) if not taken]
+    if refused:
+        found = broker.held_states(queue, [job.id for job in refused])
+        for job in refused:
+            held = found.get(job.id)
+            if held is not None and held["state"] not in TOMBSTONES and held["gen"].isdigit():
+                mirror.follow_held_generation(database, job.id, committed=job.gen,
+                                              held=int(held["gen"]))
+    return written
 
 
 class Sweep:
@@ -243,13 +273,20 @@ class Sweep:
         """Rebuild the jobs of ``rows`` that Redis lost; mirror deaths it recorded.
 
         The rows are read again and locked (SKIP LOCKED) AFTER the candidate
-        scan and held until the pushes are done: a worker writes the mirror
-        before it acks (which frees the hash), a staff cancel holds the row
-        while it acts, and another reconciler holds the rows it rebuilds, so
-        a row still unfinished, old and unlocked whose hash is gone was
-        really lost, and only this transaction pushes it. A tombstone
+        scan: a worker writes the mirror before it acks (which frees the
+        hash), a staff cancel holds the row while it acts, and another
+        reconciler holds the rows it rebuilds, so a row still unfinished,
+        old and unlocked whose hash is gone was really lost. A tombstone
         ('finished' or 'cancelled') whose row is still unfinished this long
         after is a write that never reached the mirror: rebuilt too.
+
+        The new generations are committed before the push (push_rebuilt).
+        What then keeps a second reconciler from pushing the same rows: the
+        commit freshened them, so they are no candidates until the grace
+        has passed; and should this push be slower than that, each
+        reconciler pushes the generation it committed, and Redis keeps the
+        newest (enqueue.lua refuses an older one, and a newer one takes over
+        an older one still waiting).
         """
         broker = self.backend.broker
         database = self.backend.config.DATABASE
@@ -283,12 +320,16 @@ class Sweep:
                     for row in lost_rows]
             if lost:
                 mirror.mark_rebuilt(database, lost_rows, now=now)
-                broker.enqueue(queue, lost, register=True)  # Redis may have lost the index too
-                crash_point("reconcile_after_push")
-        if lost:
+        if not lost:
+            return 0, buried
+        crash_point("reconcile_before_push")
+        # register: Redis may have lost the shards index too
+        pushed = sum(push_rebuilt(broker, database, queue, lost, register=True))
+        crash_point("reconcile_after_push")
+        if pushed:
             logger.warning("Pushed %d job(s) of queue %r again: Redis had lost them.",
-                           len(lost), queue)
-        return len(lost), buried
+                           pushed, queue)
+        return pushed, buried
 
     def run_once(self) -> SweepReport:
         """One full pass: the Redis steps (mirrored as they go), then reconcile."""
