@@ -22,7 +22,16 @@ from django.db import DatabaseError, InterfaceError, connections, transaction
 from django.utils import timezone
 
 from . import mirror, payload, telemetry
-from .broker import REDIS_ERRORS, Broker, Fence, NewJob, RecoverResult, Settlement, epoch_ms
+from .broker import (
+    REDIS_ERRORS,
+    SCRIPT_ERRORS,
+    Broker,
+    Fence,
+    NewJob,
+    RecoverResult,
+    Settlement,
+    epoch_ms,
+)
 from .exceptions import LeaseExpired, class_path
 from .faults import crash_point
 from .mirror import AttemptRecord
@@ -38,6 +47,11 @@ RECONCILE_BATCH = 500
 #: Redis states that mark a job as done with (see ack.lua and cancel.lua).
 TOMBSTONES = ("finished", "cancelled")
 LEASE_EXPIRED = class_path(LeaseExpired)
+#: What one queue's damaged Redis data can raise (a script error, a reply
+#: that does not parse): the sweep logs it and goes on with the other
+#: queues. An outage (a lost connection, the database down) propagates: the
+#: next pass retries everything.
+QUEUE_ERRORS: tuple[type[Exception], ...] = (*SCRIPT_ERRORS, ValueError, TypeError)
 
 
 @dataclass
@@ -132,24 +146,32 @@ class Sweep:
         refunds: dict[str, int] = {}
         queues = physical if physical is not None else self.physical_queues()
         for queue in self.backend.broker.sweepable(queues):
-            recovered = self._recover(queue, report)
-            report.orphans += recovered.stamped
-            for job in recovered.outcomes:
-                telemetry.hook.recovered(queue, job.kind)
-                if job.kind in ("unstarted", "orphan"):
-                    report.requeued += 1
-                    if job.kind == "unstarted":
-                        refunds[job.id] = job.max_attempts
-                elif job.kind == "garbage":
-                    report.garbage += 1
-                    logger.warning("Moved aside %r found on queue %r: no such job.", job.id, queue)
-            report.promoted += self.backend.broker.promote(queue)
+            try:
+                self._sweep_queue(queue, report, refunds)
+            except QUEUE_ERRORS:
+                logger.exception("Skipped queue %r in this sweep: its Redis data made a "
+                                 "script fail; the other queues were swept.", queue)
         if refunds:
             try:
                 mirror.raise_budgets(self.backend.config.DATABASE, refunds)
             except DatabaseError as exc:
                 logger.warning("Could not mirror %d refunded attempt(s): %s", len(refunds), exc)
         return report
+
+    def _sweep_queue(self, queue: str, report: SweepReport, refunds: dict[str, int]) -> None:
+        """Recover and promote one shard, counting into ``report`` and ``refunds``."""
+        recovered = self._recover(queue, report)
+        report.orphans += recovered.stamped
+        for job in recovered.outcomes:
+            telemetry.hook.recovered(queue, job.kind)
+            if job.kind in ("unstarted", "orphan"):
+                report.requeued += 1
+                if job.kind == "unstarted":
+                    refunds[job.id] = job.max_attempts
+            elif job.kind == "garbage":
+                report.garbage += 1
+                logger.warning("Moved aside %r found on queue %r: no such job.", job.id, queue)
+        report.promoted += self.backend.broker.promote(queue)
 
     def _recover(self, queue: str, report: SweepReport) -> RecoverResult:
         """Run recover on one shard with the mirror's agreement; count what it did.
@@ -260,7 +282,13 @@ class Sweep:
             for row in rows:
                 by_queue[row.physical_queue].append(row)
             for queue, queue_rows in by_queue.items():
-                pushed, buried = self._reconcile_queue(queue, queue_rows, older_than)
+                try:
+                    pushed, buried = self._reconcile_queue(queue, queue_rows, older_than)
+                except QUEUE_ERRORS:
+                    logger.exception("Skipped %d row(s) of queue %r in this reconcile: its "
+                                     "Redis data made a script fail; the other queues were "
+                                     "reconciled.", len(queue_rows), queue)
+                    continue
                 report.pushed += pushed
                 report.buried += buried
             if len(rows) < RECONCILE_BATCH:

@@ -258,3 +258,37 @@ def test_a_late_push_claimed_before_reconciles_push_keeps_the_row_on_its_generat
     assert (row.state, row.generation, row.return_value) == (JobState.SUCCEEDED, 0, 3)
     backdate(result.id)
     assert Sweep(backend).reconcile().pushed == 0
+
+
+# -- item 6: one queue's script error never stops the sweep of the others -----
+
+
+def test_a_queue_whose_scripts_fail_never_stops_the_sweep_of_the_others(
+    rj_settings: Any, redis_client: redis.Redis, app_log: list[Any]
+) -> None:
+    # Given: queue "broken", swept first, whose keys hold a type no script
+    # expects (promote and reconcile's look fail there), and queue "default"
+    # with a job due for promotion and a job Redis lost
+    rj_settings(queues=["broken", "default"])
+    backend = task_backends["default"]
+    broken = QueueKeys("rj", "broken")
+    stranded = demo.add.using(queue_name="broken").enqueue(0, 0)
+    lost = demo.add.enqueue(1, 2)
+    due = demo.add.using(run_after=timezone.now() + timedelta(milliseconds=300)).enqueue(3, 4)
+    redis_client.delete(KEYS.job(lost.id), broken.queued)
+    redis_client.lrem(KEYS.queued, 0, lost.id)
+    redis_client.set(broken.scheduled, "not a sorted set")
+    redis_client.set(broken.job(stranded.id), "not a hash")
+    backdate(stranded.id, lost.id)
+    time.sleep(0.4)
+
+    # When: the sweep passes over both queues
+    sweep = Sweep(backend)
+    redis_report = sweep.redis_pass()
+    reconcile_report = sweep.reconcile()
+
+    # Then: "default" was promoted and reconciled, and "broken" was logged
+    assert redis_report.promoted == 1
+    assert reconcile_report.pushed == 1
+    assert sorted(redis_client.lrange(KEYS.queued, 0, -1)) == sorted([lost.id, due.id])
+    assert [r for r in app_log if r.levelname == "ERROR" and "'broken'" in r.getMessage()]
