@@ -46,7 +46,8 @@ from .records import (
 
 __all__ = [
     "CLUSTER_RETRIES", "CLUSTER_SCHEMES", "EXHAUSTED_CLASS", "EXPIRED_CLASS", "LATENCY_LOOK",
-    "REDIS_ERRORS", "REGISTER_EVERY_S", "SCRIPT_ERRORS", "SOCKET_TIMEOUT_S", "SWEEP_BATCH", "TOMBSTONE_MS",
+    "REDIS_ERRORS", "REGISTER_EVERY_S", "SCRIPT_ERRORS", "SOCKET_TIMEOUT_S", "SWEEP_BATCH",
+    "TOMBSTONE_MS",
     "WORKER_INDEX_KEEP_MS", "Applied", "Broker", "ClaimResult", "ClaimedJob", "Fence",
     "Latency", "NewJob", "QueueCounts", "RecoverResult", "RecoveredJob", "Settlement",
     "WorkerBeat", "connect", "epoch_ms", "is_cluster_url",
