@@ -25,6 +25,7 @@ from . import mirror, payload, telemetry
 from .broker import (
     REDIS_ERRORS,
     SCRIPT_ERRORS,
+    TOMBSTONE_MS,
     Broker,
     Fence,
     NewJob,
@@ -46,6 +47,12 @@ logger = logging.getLogger("reliable_jobs.sweep")
 RECONCILE_BATCH = 500
 #: Redis states that mark a job as done with (see ack.lua and cancel.lua).
 TOMBSTONES = ("finished", "cancelled")
+#: States of a job Redis may still run: a cancel the row holds and Redis
+#: lost is applied again to these (see Sweep.recancel).
+CANCELLABLE = ("queued", "scheduled", "running")
+#: How far back reconcile looks for cancels Redis may have lost, in ms: as
+#: long as the tombstone a cancel leaves (TOMBSTONE_MS).
+RECANCEL_MS = TOMBSTONE_MS
 LEASE_EXPIRED = class_path(LeaseExpired)
 #: What one queue's damaged Redis data can raise (a script error, a reply
 #: that does not parse): the sweep logs it and goes on with the other
@@ -68,6 +75,7 @@ class SweepReport:
     checked: int = 0
     pushed: int = 0
     buried: int = 0
+    recancelled: int = 0
 
     def add(self, other: SweepReport) -> None:
         for f in fields(self):
@@ -294,7 +302,52 @@ class Sweep:
             if len(rows) < RECONCILE_BATCH:
                 self._cursor = None
                 break
+        report.recancelled += self.recancel()
         return report
+
+    def recancel(self) -> int:
+        """Cancel again in Redis the recent cancels Redis lost; return how many.
+
+        A cancel acts in Redis, then commits the row; a failover to a replica
+        that missed the cancel's write brings the job back, waiting or running
+        unmarked, while its row says cancelled (a finished row, which the walk
+        above never looks at). So every row cancelled within RECANCEL_MS is
+        locked (SKIP LOCKED: a staff requeue of it holds the row) and looked
+        up, and cancel.lua is run again on those Redis still holds as waiting
+        or running: a no-op on a job already marked, and the row's word is the
+        last (a requeue makes the row unfinished before it pushes).
+        """
+        config = self.backend.config
+        since = mirror.grace_cutoff(config.DATABASE, RECANCEL_MS)
+        applied, after = 0, None
+        while True:
+            with transaction.atomic(using=config.DATABASE):
+                rows = mirror.lock_recent_cancels(config.DATABASE, backend=self.backend.alias,
+                                                  since=since, after_id=after,
+                                                  limit=RECONCILE_BATCH)
+                by_queue: dict[str, list[str]] = defaultdict(list)
+                for row in rows:
+                    by_queue[row.physical_queue].append(str(row.pk))
+                for queue, ids in by_queue.items():
+                    try:
+                        applied += self._recancel_queue(queue, ids)
+                    except QUEUE_ERRORS:
+                        logger.exception("Skipped the cancels of queue %r in this reconcile: "
+                                         "its Redis data made a script fail.", queue)
+            if len(rows) < RECONCILE_BATCH:
+                return applied
+            after = str(rows[-1].pk)
+
+    def _recancel_queue(self, queue: str, job_ids: list[str]) -> int:
+        broker = self.backend.broker
+        held = broker.held_states(queue, job_ids)
+        again = [job_id for job_id, found in held.items() if found["state"] in CANCELLABLE]
+        for job_id in again:
+            broker.cancel(queue, job_id)
+            if held[job_id]["state"] != "running":
+                logger.warning("Cancelled job %s of queue %r again: Redis had lost its cancel.",
+                               job_id, queue)
+        return len(again)
 
     def _reconcile_queue(self, queue: str, rows: list[Job],
                          older_than: datetime) -> tuple[int, int]:

@@ -10,6 +10,7 @@ a session idle in its transaction (as the worker's own session limit does).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,6 +29,9 @@ from reliable_jobs.keys import QueueKeys
 from reliable_jobs.mirror import AttemptRecord
 from reliable_jobs.models import Attempt, AttemptOutcome, Job, JobState
 from reliable_jobs.sweep import Sweep
+from reliable_jobs.worker.backoff import Outage
+from reliable_jobs.worker.finisher import FinishedAttempt, Finisher, WorkerStats
+from reliable_jobs.worker.registry import InHand
 from testproject.demo import tasks as demo
 
 from .helpers import Processes, backdate
@@ -292,3 +296,89 @@ def test_a_queue_whose_scripts_fail_never_stops_the_sweep_of_the_others(
     assert reconcile_report.pushed == 1
     assert sorted(redis_client.lrange(KEYS.queued, 0, -1)) == sorted([lost.id, due.id])
     assert [r for r in app_log if r.levelname == "ERROR" and "'broken'" in r.getMessage()]
+
+
+# -- item 10: a cancel Redis lost is applied again -----------------------------
+
+
+def lose_the_cancel(client: redis.Redis, job_id: str, state: str) -> None:
+    """What a failover to a replica that missed the cancel's write leaves behind."""
+    client.hset(KEYS.job(job_id), "state", state)
+    client.hdel(KEYS.job(job_id), "cancel")
+
+
+def test_a_cancel_of_a_waiting_job_lost_by_redis_is_applied_again_by_reconcile(
+    rj_settings: Any, redis_client: redis.Redis
+) -> None:
+    # Given: a queued job staff cancelled, whose cancel Redis then lost
+    rj_settings()
+    backend = task_backends["default"]
+    result = demo.add.enqueue(1, 2)
+    assert staff.cancel(backend, result.id).done
+    lose_the_cancel(redis_client, result.id, "queued")
+
+    # When: reconcile runs
+    Sweep(backend).reconcile()
+
+    # Then: no worker can claim the job
+    assert backend.broker.claim("default", count=10, lease_ms=60_000).jobs == []
+    assert Job.objects.get(pk=result.id).state == JobState.CANCELLED
+
+
+def test_a_cancel_of_a_running_job_lost_by_redis_is_applied_again_by_reconcile(
+    rj_settings: Any, redis_client: redis.Redis
+) -> None:
+    # Given: a running job staff cancelled, whose mark Redis then lost
+    rj_settings()
+    backend = task_backends["default"]
+    broker: Broker = backend.broker
+    result = demo.add.enqueue(1, 2)
+    job = broker.claim("default", count=1, lease_ms=60_000).jobs[0]
+    assert broker.start("default", [job.fence]) == [True]
+    assert staff.cancel(backend, result.id).done
+    lose_the_cancel(redis_client, result.id, "running")
+
+    # When: reconcile runs
+    Sweep(backend).reconcile()
+
+    # Then: its holder hears of the cancel at its next renewal, and its
+    # finish ends the job cancelled in Redis
+    assert broker.extend("default", [job.fence], lease_ms=60_000) == [2]
+
+
+def test_the_finisher_acks_an_outcome_the_mirror_settled_as_cancelled(
+    rj_settings: Any, redis_client: redis.Redis
+) -> None:
+    # Given: a job cancelled in the database while it ran, the cancel lost
+    # by Redis, and its attempt failing with retries left
+    rj_settings()
+    backend = task_backends["default"]
+    broker: Broker = backend.broker
+    result = demo.add.enqueue(1, 2)
+    job = broker.claim("default", count=1, lease_ms=60_000).jobs[0]
+    assert broker.start("default", [job.fence]) == [True]
+    assert staff.cancel(backend, result.id).done
+    lose_the_cancel(redis_client, result.id, "running")
+    in_hand = InHand()
+    in_hand.add([job])
+    finisher = Finisher(broker=broker, database="default", in_hand=in_hand,
+                        stats=WorkerStats(), redis_outage=Outage("Redis"),
+                        db_outage=Outage("database"), hard_stop=threading.Event(),
+                        slot_freed=threading.Event())
+    now = timezone.now()
+    failed = AttemptRecord(job_id=job.id, attempt=job.attempt, gen=job.gen,
+                           job_state=JobState.SCHEDULED, worker_id="w", started_at=now,
+                           finished_at=now, outcome=AttemptOutcome.FAILED,
+                           error="builtins.ValueError: flaky")
+
+    # When: the finisher mirrors it (the mirror records it as cancelled) and
+    # applies it in Redis
+    finisher.submit(FinishedAttempt(failed, job, delay_ms=50))
+    finisher.close()
+    finisher.run()
+
+    # Then: Redis finished the job instead of scheduling a retry of it
+    assert redis_client.zcard(KEYS.scheduled) == 0
+    assert redis_client.hget(KEYS.job(result.id), "state") in (None, "finished", "cancelled")
+    assert Attempt.objects.get(job_id=result.id).outcome == AttemptOutcome.CANCELLED
+    assert Job.objects.get(pk=result.id).state == JobState.CANCELLED

@@ -67,6 +67,7 @@ from .reconcile import (
     RowState,
     grace_cutoff,
     lock_for_recovery,
+    lock_recent_cancels,
     lock_unfinished,
     next_generation,
     reconcile_candidates,
@@ -92,6 +93,7 @@ __all__ = [
     "bury", "cancelled_record", "delete_jobs", "expired_record", "follow_held_generation",
     "grace_cutoff", "insert_job",
     "insert_new_jobs", "insert_unique_jobs", "lock_for_recovery", "lock_job", "lock_prunable",
+    "lock_recent_cancels",
     "lock_unfinished", "mark_cancelled", "mark_priority", "mark_queued_again", "mark_rebuilt",
     "next_generation", "raise_budgets", "reconcile_candidates", "record",
 ]
