@@ -76,6 +76,7 @@ class SweepReport:
     pushed: int = 0
     buried: int = 0
     recancelled: int = 0
+    purged: int = 0
 
     def add(self, other: SweepReport) -> None:
         for f in fields(self):
@@ -139,6 +140,8 @@ class Sweep:
         #: Queue names as configured; each pass covers all their shards.
         self.queues = sorted(queues or backend.queues)
         self._cursor: str | None = None
+        #: Per shard, the rank in its dead set where the orphan walk goes on.
+        self._dead_cursor: dict[str, int] = {}
 
     def physical_queues(self) -> list[str]:
         """Every shard of the swept queues, read afresh (SHARDS may have changed)."""
@@ -303,7 +306,43 @@ class Sweep:
                 self._cursor = None
                 break
         report.recancelled += self.recancel()
+        for queue in self.physical_queues():
+            try:
+                report.purged += self.purge_orphans(queue)
+            except QUEUE_ERRORS:
+                logger.exception("Skipped the dead set of queue %r in this reconcile: its "
+                                 "Redis data made a script fail.", queue)
         return report
+
+    def purge_orphans(self, queue: str) -> int:
+        """Forget dead jobs that have no row, RECONCILE_GRACE_MS after their death.
+
+        A dead job keeps its hash for a staff retry, and prune forgets it with
+        its row; one whose row is gone anyway (deleted by hand, pruned by a
+        version that did not purge, or never committed: an id pushed into
+        Redis by hand) would stay for ever. Each call walks the next
+        RECONCILE_BATCH entries of the dead set, wrapping round. An id is
+        forgotten only when no row holds it and it died before the grace:
+        every push follows its row's commit (enqueue pushes on commit,
+        rebuilds after theirs), so a row that may still commit has no job in
+        Redis yet, let alone one dead that long. purge.lua keeps a job that
+        is no longer dead (revived meanwhile).
+        """
+        broker = self.backend.broker
+        config = self.backend.config
+        start = self._dead_cursor.get(queue, 0)
+        before_ms = broker.server_time_ms() - config.RECONCILE_GRACE_MS
+        ids, more = broker.dead_since(queue, before_ms=before_ms, start=start,
+                                      count=RECONCILE_BATCH)
+        rows = mirror.existing(config.DATABASE, ids) if ids else set()
+        orphans = [job_id for job_id in ids if job_id not in rows]
+        self._dead_cursor[queue] = start + RECONCILE_BATCH - len(orphans) if more else 0
+        if not orphans:
+            return 0
+        broker.purge(queue, orphans)
+        logger.warning("Forgot %d dead job(s) of queue %r that have no row in the database.",
+                       len(orphans), queue)
+        return len(orphans)
 
     def recancel(self) -> int:
         """Cancel again in Redis the recent cancels Redis lost; return how many.

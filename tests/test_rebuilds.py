@@ -28,6 +28,7 @@ from reliable_jobs.compat import task_backends
 from reliable_jobs.keys import QueueKeys
 from reliable_jobs.mirror import AttemptRecord
 from reliable_jobs.models import Attempt, AttemptOutcome, Job, JobState
+from reliable_jobs.retention import prune
 from reliable_jobs.sweep import Sweep
 from reliable_jobs.worker.backoff import Outage
 from reliable_jobs.worker.finisher import FinishedAttempt, Finisher, WorkerStats
@@ -382,3 +383,86 @@ def test_the_finisher_acks_an_outcome_the_mirror_settled_as_cancelled(
     assert redis_client.hget(KEYS.job(result.id), "state") in (None, "finished", "cancelled")
     assert Attempt.objects.get(job_id=result.id).outcome == AttemptOutcome.CANCELLED
     assert Job.objects.get(pk=result.id).state == JobState.CANCELLED
+
+
+# -- item 12: prune never deletes a row whose job Redis still holds ------------
+
+
+def test_prune_with_no_age_keeps_a_job_that_finished_a_moment_ago(
+    rj_settings: Any, redis_client: redis.Redis
+) -> None:
+    # Given: a job cancelled a moment ago
+    rj_settings()
+    backend = task_backends["default"]
+    result = demo.add.enqueue(1, 2)
+    assert staff.cancel(backend, result.id).done
+
+    # When: finished jobs "older than 0 days" are pruned
+    report = prune(backend, older_than=timedelta(0))
+
+    # Then: it is kept (younger than RECONCILE_GRACE_MS + LEASE_MS)
+    assert report.jobs == 0
+    assert Job.objects.filter(pk=result.id).exists()
+
+
+def test_prune_keeps_a_finished_row_whose_job_redis_still_runs(
+    rj_settings: Any, redis_client: redis.Redis
+) -> None:
+    # Given: a job cancelled long ago while it ran, whose worker has not
+    # stopped it yet (Redis holds it running), and one that is done for good
+    rj_settings()
+    backend = task_backends["default"]
+    broker: Broker = backend.broker
+    running = demo.add.enqueue(1, 2)
+    done = demo.add.enqueue(3, 4)
+    job = broker.claim("default", count=1, lease_ms=60_000).jobs[0]
+    assert job.id == running.id
+    assert broker.start("default", [job.fence]) == [True]
+    for result in (running, done):
+        assert staff.cancel(backend, result.id).done
+    Job.objects.update(updated_at=timezone.now() - timedelta(days=2))
+
+    # When: finished jobs older than a day are pruned
+    report = prune(backend, older_than=timedelta(days=1))
+
+    # Then: only the row whose job Redis no longer runs is gone
+    assert (report.jobs, report.kept) == (1, 1)
+    assert list(Job.objects.values_list("pk", flat=True)) == [job_id(running.id)]
+
+
+def job_id(text: str) -> Any:
+    return Job._meta.pk.to_python(text)  # type: ignore[union-attr]
+
+
+# -- item 13: dead jobs with no row are forgotten after the grace --------------
+
+
+def test_reconcile_forgets_dead_jobs_that_have_no_row_once_the_grace_has_passed(
+    rj_settings: Any, redis_client: redis.Redis
+) -> None:
+    # Given: in the dead set, a job whose row is gone (long dead), one whose
+    # row is gone that died a moment ago, an id with no hash, and a dead job
+    # that has its row (staff may retry it)
+    rj_settings()
+    backend = task_backends["default"]
+    kept = demo.add.enqueue(1, 2)
+    redis_client.flushdb()
+    now_ms = backend.broker.server_time_ms()
+    long_ago = now_ms - 3_600_000
+    for job_id, died in (("01a241c7-0000-7000-8000-000000000001", long_ago),
+                         ("01a241c7-0000-7000-8000-000000000002", now_ms),
+                         (kept.id, long_ago)):
+        redis_client.hset(KEYS.job(job_id), mapping={"state": "dead", "attempts": 1})
+        redis_client.zadd(KEYS.dead, {job_id: died})
+    redis_client.zadd(KEYS.dead, {"garbage": long_ago})
+    Job.objects.filter(pk=kept.id).update(state=JobState.DEAD)
+
+    # When: reconcile runs
+    report = Sweep(backend).reconcile()
+
+    # Then: only what has no row and died before the grace is gone
+    assert report.purged == 2
+    assert sorted(redis_client.zrange(KEYS.dead, 0, -1)) == sorted(
+        ["01a241c7-0000-7000-8000-000000000002", kept.id])
+    assert not redis_client.exists(KEYS.job("01a241c7-0000-7000-8000-000000000001"))
+    assert redis_client.hget(KEYS.job(kept.id), "state") == "dead"

@@ -65,6 +65,7 @@ from .prune import delete_jobs, lock_prunable
 from .reconcile import (
     LOCKED_ELSEWHERE,
     RowState,
+    existing,
     grace_cutoff,
     lock_for_recovery,
     lock_recent_cancels,
@@ -90,8 +91,8 @@ from .records import (
 __all__ = [
     "ABANDONED_ERROR", "CANCELLED_ERROR", "FINISHED_STATES", "LOCKED_ELSEWHERE", "LOSS_OUTCOMES",
     "MAX_ATTEMPT", "RAN_OUTCOMES", "TERMINAL_STATES", "AttemptRecord", "NewJobs", "RowState",
-    "bury", "cancelled_record", "delete_jobs", "expired_record", "follow_held_generation",
-    "grace_cutoff", "insert_job",
+    "bury", "cancelled_record", "delete_jobs", "existing", "expired_record",
+    "follow_held_generation", "grace_cutoff", "insert_job",
     "insert_new_jobs", "insert_unique_jobs", "lock_for_recovery", "lock_job", "lock_prunable",
     "lock_recent_cancels",
     "lock_unfinished", "mark_cancelled", "mark_priority", "mark_queued_again", "mark_rebuilt",

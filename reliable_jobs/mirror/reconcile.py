@@ -121,3 +121,10 @@ def lock_recent_cancels(using: str, *, backend: str, since: datetime, after_id: 
     if after_id is not None:
         rows = rows.filter(pk__gt=after_id)
     return list(rows.order_by("pk")[:limit])
+
+
+def existing(using: str, job_ids: Sequence[str]) -> set[str]:
+    """Those of ``job_ids`` that have a row (ids that are no UUID never do)."""
+    ids = [job_id for job_id in job_ids if is_uuid(job_id)]
+    return {str(pk) for pk in Job.objects.using(using).filter(pk__in=ids)
+            .values_list("pk", flat=True)}
