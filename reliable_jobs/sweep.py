@@ -273,6 +273,8 @@ class Sweep:
         whose push or mirror write is on its way is never pushed twice. The
         walk is by id with a cursor, ``max_batches`` batches per call (all
         when None), so one pass over a million rows never stalls the caller.
+        Then cancels Redis lost are applied again (:meth:`recancel`) and each
+        shard's dead set is walked for jobs with no row (:meth:`purge_orphans`).
         """
         report = SweepReport()
         config = self.backend.config
