@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import redis
-from django.db import DatabaseError, InterfaceError, connection
+from django.db import DatabaseError, InterfaceError, close_old_connections, connection
 from django.utils import timezone
 
 from reliable_jobs import mirror, staff
@@ -466,3 +466,50 @@ def test_reconcile_forgets_dead_jobs_that_have_no_row_once_the_grace_has_passed(
     assert not redis_client.exists(KEYS.job("01a241c7-0000-7000-8000-000000000001"))
     assert redis_client.hget(KEYS.job(kept.id), "state") == "dead"
     assert report.purged == 2
+
+
+def test_a_reconcile_whose_push_is_slower_than_the_grace_never_queues_the_job_twice(
+    rj_settings: Any, redis_client: redis.Redis
+) -> None:
+    # Given: a job Redis lost, and a first reconciler that has committed its
+    # rebuild (generation 1) and stalls before its push, longer than the grace
+    rj_settings()
+    backend = task_backends["default"]
+    broker: Broker = backend.broker
+    result = demo.add.enqueue(1, 2)
+    redis_client.flushdb()
+    backdate(result.id)
+    committed, go_on = threading.Event(), threading.Event()
+
+    def stall() -> None:
+        if threading.current_thread().name == "slow-reconciler":
+            committed.set()
+            go_on.wait(10)
+
+    reports: dict[str, Any] = {}
+
+    def slow() -> None:
+        reports["slow"] = Sweep(backend).reconcile()
+        close_old_connections()
+
+    with around_script(broker, "enqueue", stall):
+        thread = threading.Thread(target=slow, name="slow-reconciler")
+        thread.start()
+        try:
+            assert committed.wait(10)
+            assert Job.objects.get(pk=result.id).generation == 1
+
+            # When: the grace passes and a second reconciler rebuilds it again
+            backdate(result.id)
+            reports["second"] = Sweep(backend).reconcile()
+        finally:
+            go_on.set()
+            thread.join(10)
+
+    # Then: Redis holds one copy, of the newest generation, which the row
+    # holds too; the stalled push (older) was refused and changed nothing
+    assert (reports["second"].pushed, reports["slow"].pushed) == (1, 0)
+    assert redis_client.lrange(KEYS.queued, 0, -1) == [result.id]
+    job = run_to_the_end(broker)
+    row = Job.objects.get(pk=result.id)
+    assert (job.gen, row.generation, row.state) == (2, 2, JobState.SUCCEEDED)
