@@ -513,3 +513,52 @@ def test_a_reconcile_whose_push_is_slower_than_the_grace_never_queues_the_job_tw
     job = run_to_the_end(broker)
     row = Job.objects.get(pk=result.id)
     assert (job.gen, row.generation, row.state) == (2, 2, JobState.SUCCEEDED)
+
+
+def test_a_second_reconciler_never_undoes_a_run_the_first_did_not_see(
+    rj_settings: Any, redis_client: redis.Redis
+) -> None:
+    # Given: a job Redis lost, and a first reconciler that has looked at
+    # Redis (the job is missing) and stalls before it rebuilds the row
+    rj_settings()
+    backend = task_backends["default"]
+    broker: Broker = backend.broker
+    result = demo.add.enqueue(1, 2)
+    redis_client.flushdb()
+    backdate(result.id)
+    looked, go_on = threading.Event(), threading.Event()
+    real_held_states = broker.held_states
+
+    def held_states(queue: str, job_ids: Any) -> Any:
+        found = real_held_states(queue, job_ids)
+        if threading.current_thread().name == "first-reconciler":
+            looked.set()
+            go_on.wait(10)
+        return found
+
+    def first() -> None:
+        Sweep(backend).reconcile()
+        close_old_connections()
+
+    broker.held_states = held_states  # type: ignore[method-assign]
+    thread = threading.Thread(target=first, name="first-reconciler")
+    thread.start()
+    try:
+        assert looked.wait(10)
+
+        # When: a second reconciler runs meanwhile, and what it pushed (if
+        # anything) runs to the end before the first one goes on
+        if Sweep(backend).reconcile().pushed:
+            run_to_the_end(broker)
+    finally:
+        go_on.set()
+        thread.join(10)
+        broker.held_states = real_held_states  # type: ignore[method-assign]
+    if Job.objects.get(pk=result.id).state != JobState.SUCCEEDED:
+        run_to_the_end(broker)
+
+    # Then: the job ran once, and its row says so for good
+    row = Job.objects.get(pk=result.id)
+    assert (row.state, row.return_value) == (JobState.SUCCEEDED, 3)
+    assert Attempt.objects.filter(job=row, outcome=AttemptOutcome.SUCCEEDED).count() == 1
+    assert broker.claim("default", count=10, lease_ms=60_000).jobs == []
