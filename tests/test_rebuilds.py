@@ -272,7 +272,7 @@ def test_a_queue_whose_scripts_fail_never_stops_the_sweep_of_the_others(
     rj_settings: Any, redis_client: redis.Redis, app_log: list[Any]
 ) -> None:
     # Given: queue "broken", swept first, whose keys hold a type no script
-    # expects (promote and reconcile's look fail there), and queue "default"
+    # expects (promote and reconcile's push fail there), and queue "default"
     # with a job due for promotion and a job Redis lost
     rj_settings(queues=["broken", "default"])
     backend = task_backends["default"]
@@ -280,10 +280,10 @@ def test_a_queue_whose_scripts_fail_never_stops_the_sweep_of_the_others(
     stranded = demo.add.using(queue_name="broken").enqueue(0, 0)
     lost = demo.add.enqueue(1, 2)
     due = demo.add.using(run_after=timezone.now() + timedelta(milliseconds=300)).enqueue(3, 4)
-    redis_client.delete(KEYS.job(lost.id), broken.queued)
+    redis_client.delete(KEYS.job(lost.id), broken.queued, broken.job(stranded.id))
     redis_client.lrem(KEYS.queued, 0, lost.id)
     redis_client.set(broken.scheduled, "not a sorted set")
-    redis_client.set(broken.job(stranded.id), "not a hash")
+    redis_client.set(broken.queued, "not a list")
     backdate(stranded.id, lost.id)
     time.sleep(0.4)
 

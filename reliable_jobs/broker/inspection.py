@@ -26,18 +26,26 @@ class Inspection(BrokerCore):
     """Counts, latency, held states and the workers index."""
 
     def held_states(self, queue: str, job_ids: Sequence[str]) -> dict[str, dict[str, str]]:
-        """Return the state, attempts, gen and last_error of each job Redis holds."""
+        """Return the state, attempts, gen and last_error of each job Redis holds.
+
+        A key of another type under a job's name (written by hand) holds no
+        job: its error reply is read as no hash, as the scripts read it
+        (include/read_job.lua), so a rebuild pushes the job over it instead
+        of every reconcile pass failing.
+        """
         k = self.keys(queue)
         with self.client.pipeline(transaction=False) as pipe:
             for job_id in job_ids:
                 pipe.hmget(k.job(job_id), "state", "attempts", "last_error", "gen")
-            replies = pipe.execute()
-        return {
-            job_id: {"state": state, "attempts": attempts or "0", "last_error": error or "",
-                     "gen": gen or "0"}
-            for job_id, (state, attempts, error, gen) in zip(job_ids, replies, strict=True)
-            if state is not None
-        }
+            replies = pipe.execute(raise_on_error=False)
+        held: dict[str, dict[str, str]] = {}
+        for job_id, reply in zip(job_ids, replies, strict=True):
+            if isinstance(reply, Exception) or reply[0] is None:
+                continue
+            state, attempts, error, gen = reply
+            held[job_id] = {"state": state, "attempts": attempts or "0",
+                            "last_error": error or "", "gen": gen or "0"}
+        return held
 
     def dead_since(self, queue: str, *, before_ms: int, start: int, count: int
                    ) -> tuple[list[str], bool]:
