@@ -562,3 +562,32 @@ def test_a_second_reconciler_never_undoes_a_run_the_first_did_not_see(
     assert (row.state, row.return_value) == (JobState.SUCCEEDED, 3)
     assert Attempt.objects.filter(job=row, outcome=AttemptOutcome.SUCCEEDED).count() == 1
     assert broker.claim("default", count=10, lease_ms=60_000).jobs == []
+
+
+def test_a_staff_retry_whose_push_redis_refuses_to_answer_is_pushed_by_reconcile(
+    rj_settings: Any, redis_client: redis.Redis
+) -> None:
+    # Given: a dead job Redis no longer holds, and a Redis that stops
+    # answering just as the retry's push is sent
+    rj_settings()
+    backend = task_backends["default"]
+    result = demo.add.enqueue(1, 2)
+    Job.objects.filter(pk=result.id).update(state=JobState.DEAD, finished_at=timezone.now())
+    redis_client.flushdb()
+
+    def down() -> None:
+        raise redis.ConnectionError("Connection refused")
+
+    # When: staff retry it
+    with around_script(backend.broker, "enqueue", down):
+        said = staff.retry(backend, result.id)
+
+    # Then: staff are told the sweep will push it; the row is queued with its
+    # new generation; reconcile pushes it after the grace, and it runs
+    assert said.done and "the recovery sweep pushes it" in said.message
+    assert Job.objects.get(pk=result.id).state == JobState.QUEUED
+    backdate(result.id)
+    assert Sweep(backend).reconcile().pushed == 1
+    job = run_to_the_end(backend.broker)
+    row = Job.objects.get(pk=result.id)
+    assert (row.state, row.generation, job.gen) == (JobState.SUCCEEDED, 2, 2)
