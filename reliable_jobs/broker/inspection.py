@@ -47,6 +47,14 @@ class Inspection(BrokerCore):
                             "last_error": error or "", "gen": gen or "0"}
         return held
 
+    def dead_since(self, queue: str, *, before_ms: int, start: int, count: int
+                   ) -> tuple[list[str], bool]:
+        """Ids of the dead set by rank from ``start`` (``count`` at most) that died
+        before ``before_ms``; and whether the set goes on past them."""
+        found = self.client.zrange(self.keys(queue).dead, start, start + count - 1,
+                                   withscores=True)
+        return [job_id for job_id, died in found if died < before_ms], len(found) == count
+
     def counts(self, queue: str) -> QueueCounts:
         """Ids on each list; queued adds up every priority band (at most 201 lists).
 
