@@ -35,6 +35,7 @@ from .records import (
     Fence,
     Latency,
     NewJob,
+    Progress,
     QueueCounts,
     RecoveredJob,
     RecoverResult,
@@ -47,7 +48,7 @@ __all__ = [
     "CLUSTER_RETRIES", "CLUSTER_SCHEMES", "EXHAUSTED_CLASS", "EXPIRED_CLASS", "LATENCY_LOOK",
     "REDIS_ERRORS", "REGISTER_EVERY_S", "SOCKET_TIMEOUT_S", "SWEEP_BATCH", "TOMBSTONE_MS",
     "WORKER_INDEX_KEEP_MS", "Applied", "Broker", "ClaimResult", "ClaimedJob", "Fence",
-    "Latency", "NewJob", "QueueCounts", "RecoverResult", "RecoveredJob", "Settlement",
+    "Latency", "NewJob", "Progress", "QueueCounts", "RecoverResult", "RecoveredJob", "Settlement",
     "WorkerBeat", "connect", "epoch_ms", "is_cluster_url",
 ]
 

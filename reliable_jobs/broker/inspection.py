@@ -12,7 +12,7 @@ from typing import Any
 
 from ..keys import worker_key, workers_index
 from .core import BrokerCore
-from .records import Latency, QueueCounts, WorkerBeat
+from .records import Latency, Progress, QueueCounts, WorkerBeat
 
 #: How long a worker that stopped beating stays in the workers index, in ms.
 WORKER_INDEX_KEEP_MS = 3_600_000
@@ -36,6 +36,23 @@ class Inspection(BrokerCore):
             job_id: {"state": state, "attempts": attempts or "0", "last_error": error or "",
                      "gen": gen or "0"}
             for job_id, (state, attempts, error, gen) in zip(job_ids, replies, strict=True)
+            if state is not None
+        }
+
+    def progress(self, jobs: Sequence[tuple[str, str]]) -> dict[str, Progress]:
+        """The progress of each job Redis holds, by id; ``jobs`` are (queue, id) pairs.
+
+        One pipelined round trip whatever the queues. A job is started when
+        its hash's ``started`` (the attempt start.lua last marked) is its
+        current attempt: a claimed job whose task has not begun is not.
+        """
+        with self.client.pipeline(transaction=False) as pipe:
+            for queue, job_id in jobs:
+                pipe.hmget(self.keys(queue).job(job_id), "state", "attempts", "started")
+            replies = pipe.execute()
+        return {
+            job_id: Progress(state, started is not None and started == attempts)
+            for (_, job_id), (state, attempts, started) in zip(jobs, replies, strict=True)
             if state is not None
         }
 
