@@ -11,6 +11,7 @@ mirror's portable path).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from datetime import timedelta
 from pathlib import Path
@@ -390,6 +391,23 @@ def test_a_holder_redis_does_not_have_yet_holds_its_key(
         # When / Then: the same call in that transaction returns it
         assert report.enqueue(1).id == first.id
     assert redis_client.lrange(QUEUED, 0, -1) == [first.id]
+
+
+def test_with_redis_down_the_rows_decide(
+    rj_settings: Any, app_log: list[logging.LogRecord]
+) -> None:
+    # Given: a backend whose Redis refuses connections, and a unique job
+    # waiting in the database for its push
+    rj_settings(REDIS_URL="redis://127.0.0.1:1/0")
+    first = report.enqueue(1)
+
+    # When: the same call is enqueued
+    again = report.enqueue(1)
+
+    # Then: the producer did not fail; the row (queued) holds the key; a warning says why
+    assert again.id == first.id
+    said = [r.getMessage() for r in app_log if r.levelno == logging.WARNING]
+    assert any("their database rows decide" in message for message in said), said
 
 
 @pytest.mark.parametrize("call", [report, report_while_running], ids=["default", "while_running"])
