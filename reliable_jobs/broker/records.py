@@ -21,7 +21,8 @@ Fence = tuple[str, int, int]
 class Applied(IntEnum):
     """What a fenced script did with one token: its per-group reply.
 
-    An int, so code that only asks "was it held?" can treat it as a bool.
+    An int, so code that only asks "may I go on with it?" can treat it as a
+    bool: REFUSED and EXPIRED are false.
     """
 
     #: The token is no longer current: nothing was done.
@@ -32,6 +33,14 @@ class Applied(IntEnum):
     #: and says so; start did not mark it; ack, nack and release finished
     #: it as cancelled instead.
     CANCELLED = 2
+    #: start only: the token is current but the claim's lease has expired, so
+    #: the sweep may be giving the job to another worker right now. Not
+    #: marked started and not to be run: its holder lets go of it, and the
+    #: sweep requeues it as a claim that never started (its attempt given back).
+    EXPIRED = 3
+
+    def __bool__(self) -> bool:
+        return self in (Applied.DONE, Applied.CANCELLED)
 
 
 def _applied(replies: Sequence[Any]) -> list[Applied]:
@@ -156,7 +165,7 @@ class QueueCounts:
 
 @dataclass(frozen=True, slots=True)
 class WorkerBeat:
-    """A live worker's last heartbeat: what ``Worker._heartbeat`` wrote."""
+    """A live worker's last heartbeat: what ``LeaseKeeper.beat`` wrote."""
 
     id: str
     #: When it last beat, in ms since the epoch (the Redis server's clock).

@@ -30,8 +30,10 @@ outcomes are final. The rules, by the names the two paths use:
   it ran) is recorded as cancelled, whatever it returned or raised: the job
   ends either succeeded (its outcome reached the mirror first, and the
   cancel is refused) or cancelled, never both;
-- "abandoned closed": an earlier attempt still open when a later one is
-  written is closed as lease_expired, so no attempt stays "running";
+- "abandoned closed": an earlier attempt still open when a later one of
+  the row's generation is written is closed as lease_expired, so no attempt
+  stays "running" (a stale holder's record, of an older generation, closes
+  nothing: the open attempt may be the one that holds the job now);
 - "lock order": every writer locks the rows it moves first, in id order.
 
 A unique job's key (``Job.unique_key``) counts only while the row is
@@ -42,6 +44,15 @@ clears the key first, and :func:`insert_unique_jobs` is the only reader.
 
 Worker writes arrive in batches (one transaction per batch); a failed batch
 is retried by the caller, never dropped, and the Redis ack waits for it.
+
+Clocks (G4): ``updated_at``, what reconcile's grace period compares, is
+stamped with the database's clock by the worker batches, the staff writes
+and ``bury`` (``statement_timestamp()`` in ``postgres``' SQL, Django's
+``Now()`` through the ORM) and by PostgreSQL's single-row INSERTs; new rows
+of a bulk enqueue (and every new row on the portable path) carry the
+producer's clock, and :func:`mark_rebuilt` the time its caller passes.
+Event times (enqueued, started, finished) are the clock of the process that
+saw the event.
 
 A staff action locks the job's row, acts in Redis, then writes the row in
 the same transaction: a worker's write about the attempt the action lets
@@ -56,7 +67,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import connections, transaction
-from django.db.models.functions import Greatest
+from django.db.models.functions import Greatest, Now
 from django.utils import timezone
 
 from ..models import UNFINISHED_STATES, Job, JobState
@@ -317,11 +328,10 @@ def raise_budgets(using: str, budgets: dict[str, int]) -> None:
 
 def bury(using: str, job_id: str, *, attempts: int, gen: int, error: str) -> None:
     """Mirror a death Redis already recorded (for example by recover), fenced."""
-    now = timezone.now()
     Job.objects.using(using).filter(pk=job_id, state__in=UNFINISHED_STATES, generation=gen,
                                     attempts__lte=attempts).update(
         state=JobState.DEAD, attempts=Greatest("attempts", attempts), last_error=error,
-        finished_at=now, updated_at=now,
+        finished_at=timezone.now(), updated_at=Now(),
     )
 
 
@@ -345,7 +355,7 @@ def mark_queued_again(using: str, job: Job, *, max_attempts: int,
     """
     changes: dict[str, Any] = {"state": JobState.QUEUED, "max_attempts": max_attempts,
                                "generation": job.generation, "attempts": job.attempts,
-                               "finished_at": None, "updated_at": timezone.now()}
+                               "finished_at": None, "updated_at": Now()}
     if job.state in FINISHED_STATES:
         # Its unique key was freed when it finished and may have a new holder:
         # the job runs again without one (keeping it could break the index).
@@ -357,9 +367,8 @@ def mark_queued_again(using: str, job: Job, *, max_attempts: int,
 
 def mark_cancelled(using: str, job_id: Any) -> None:
     """Mirror a cancel Redis already applied (the job was taken off its list)."""
-    now = timezone.now()
     Job.objects.using(using).filter(pk=job_id).update(
-        state=JobState.CANCELLED, finished_at=now, updated_at=now)
+        state=JobState.CANCELLED, finished_at=timezone.now(), updated_at=Now())
 
 
 def mark_priority(using: str, job_id: Any, priority: int) -> None:
@@ -368,5 +377,4 @@ def mark_priority(using: str, job_id: Any, priority: int) -> None:
     The row's priority is what a rebuild from the mirror pushes again, so a
     job Redis loses later comes back at the priority staff gave it.
     """
-    Job.objects.using(using).filter(pk=job_id).update(priority=priority,
-                                                      updated_at=timezone.now())
+    Job.objects.using(using).filter(pk=job_id).update(priority=priority, updated_at=Now())

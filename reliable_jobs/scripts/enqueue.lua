@@ -65,6 +65,8 @@ end
 
 --- @include "server_clock"
 
+--- @include "read_job"
+
 local now = now_ms()
 
 local written = {}
@@ -73,8 +75,14 @@ local banded = 0
 for i = 1, #ARGV, 7 do
   local job_id = ARGV[i]
   local job_key = job_prefix .. job_id
-  local found = redis.call('HMGET', job_key, 'state', 'gen')
+  local found, wrong_type = read_job(job_id, 'state', 'gen')
   local free = found[1] == false
+  if wrong_type then
+    -- A key of another type under the job's name (written by hand): the
+    -- job is the one to keep.
+    redis.call('DEL', job_key)
+    free = true
+  end
   if (found[1] == 'finished' or found[1] == 'cancelled')
       and (tonumber(ARGV[i + 5]) or 0) > (tonumber(found[2]) or 0) then
     redis.call('DEL', job_key)
