@@ -59,9 +59,9 @@ class Inspection(BrokerCore):
         with self.client.pipeline(transaction=False) as pipe:
             for queue, job_id in jobs:
                 pipe.hmget(self.keys(queue).job(job_id), "state", "attempts", "started")
-            replies = pipe.execute(raise_on_error=False)
+            answers = pipe.execute(raise_on_error=False)
         found: dict[str, Progress] = {}
-        for (_, job_id), reply in zip(jobs, replies, strict=True):
+        for (_, job_id), reply in zip(jobs, answers, strict=True):
             if isinstance(reply, Exception) or reply[0] is None:
                 continue
             state, attempts, started = reply
