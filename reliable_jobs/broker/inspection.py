@@ -68,6 +68,14 @@ class Inspection(BrokerCore):
             found[job_id] = Progress(state, started is not None and started == attempts)
         return found
 
+    def dead_since(self, queue: str, *, before_ms: int, start: int, count: int
+                   ) -> tuple[list[str], bool]:
+        """Ids of the dead set by rank from ``start`` (``count`` at most) that died
+        before ``before_ms``; and whether the set goes on past them."""
+        found = self.client.zrange(self.keys(queue).dead, start, start + count - 1,
+                                   withscores=True)
+        return [job_id for job_id, died in found if died < before_ms], len(found) == count
+
     def counts(self, queue: str) -> QueueCounts:
         """Ids on each list; queued adds up every priority band (at most 201 lists).
 

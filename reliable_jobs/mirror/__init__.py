@@ -76,8 +76,10 @@ from .prune import delete_jobs, lock_prunable
 from .reconcile import (
     LOCKED_ELSEWHERE,
     RowState,
+    existing,
     grace_cutoff,
     lock_for_recovery,
+    lock_recent_cancels,
     lock_unfinished,
     next_generation,
     reconcile_candidates,
@@ -100,8 +102,10 @@ from .records import (
 __all__ = [
     "ABANDONED_ERROR", "CANCELLED_ERROR", "FINISHED_STATES", "LOCKED_ELSEWHERE", "LOSS_OUTCOMES",
     "MAX_ATTEMPT", "RAN_OUTCOMES", "TERMINAL_STATES", "AttemptRecord", "NewJobs", "RowState",
-    "bury", "cancelled_record", "delete_jobs", "expired_record", "grace_cutoff", "insert_job",
+    "bury", "cancelled_record", "delete_jobs", "existing", "expired_record",
+    "follow_held_generation", "grace_cutoff", "insert_job",
     "insert_new_jobs", "insert_unique_jobs", "lock_for_recovery", "lock_job", "lock_prunable",
+    "lock_recent_cancels",
     "lock_unfinished", "mark_cancelled", "mark_priority", "mark_queued_again", "mark_rebuilt",
     "next_generation", "raise_budgets", "reconcile_candidates", "record",
 ]
@@ -316,6 +320,23 @@ def mark_rebuilt(using: str, rows: Sequence[Job], *, now: datetime) -> None:
             generation=row.generation, attempts=row.attempts, updated_at=now,
             state=JobState.SCHEDULED if row.run_after and row.run_after > now
             else JobState.QUEUED)
+
+
+def follow_held_generation(using: str, job_id: Any, *, committed: int, held: int) -> bool:
+    """Put a rebuilt row back on the older generation Redis holds; True if it moved.
+
+    A rebuild commits the row's new generation before it pushes (see
+    sweep.push_rebuilt); when Redis refuses that push because an older
+    incarnation of the job got there first (a late push, claimed or buried
+    before the rebuild's push arrived), that incarnation is the job, and its
+    records must land. Fenced by the generation committed: a row a newer
+    rebuild has moved since is left alone. Nobody holds a token of the
+    committed generation (its push was refused), so none is orphaned.
+    """
+    if held >= committed:
+        return False
+    return bool(Job.objects.using(using).filter(
+        pk=job_id, generation=committed, state__in=UNFINISHED_STATES).update(generation=held))
 
 
 def raise_budgets(using: str, budgets: dict[str, int]) -> None:
