@@ -36,6 +36,7 @@ from .records import (
     Fence,
     Latency,
     NewJob,
+    Progress,
     QueueCounts,
     RecoveredJob,
     RecoverResult,
@@ -49,7 +50,7 @@ __all__ = [
     "REDIS_ERRORS", "REGISTER_EVERY_S", "SCRIPT_ERRORS", "SOCKET_TIMEOUT_S", "SWEEP_BATCH",
     "TOMBSTONE_MS",
     "WORKER_INDEX_KEEP_MS", "Applied", "Broker", "ClaimResult", "ClaimedJob", "Fence",
-    "Latency", "NewJob", "QueueCounts", "RecoverResult", "RecoveredJob", "Settlement",
+    "Latency", "NewJob", "Progress", "QueueCounts", "RecoverResult", "RecoveredJob", "Settlement",
     "WorkerBeat", "connect", "epoch_ms", "is_cluster_url",
 ]
 
