@@ -68,6 +68,16 @@ class NewJob:
 
 
 @dataclass(frozen=True, slots=True)
+class Progress:
+    """Where a job hash says its job is: the hash's state ('queued',
+    'scheduled', 'running', 'dead', 'finished', 'cancelled'), and whether the
+    task of its current attempt has begun (start.lua marked it)."""
+
+    state: str
+    started: bool
+
+
+@dataclass(frozen=True, slots=True)
 class ClaimedJob:
     """A job this worker now holds: ``attempt`` and ``gen`` are its fencing token."""
 

@@ -19,18 +19,11 @@ from reliable_jobs.periodic import Cron, Every, TimetableError, periodic
 from reliable_jobs.periodic.scheduler import decide
 from testproject.demo import tasks as demo
 
+from ..helpers import slots_between
+
 
 def utc(*parts: int) -> datetime:
     return datetime(*parts, tzinfo=UTC)  # type: ignore[misc]
-
-
-def slots_between(timetable: Cron | Every, start: datetime, end: datetime) -> list[datetime]:
-    found = []
-    for slot in timetable.after(start):
-        if slot > end:
-            return found
-        found.append(slot)
-    return found
 
 
 # -- slot times and DST -------------------------------------------------------
