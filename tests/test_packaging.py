@@ -157,8 +157,11 @@ def test_wheel_alone_passes_check_and_migrate(dist: Dist, tmp_path: Path) -> Non
     # installs into it (--python), so it holds only the wheel and its dependencies.
     run(sys.executable, "-m", "venv", "--without-pip", venv, cwd=tmp_path)
     python = venv / "bin" / "python"
+    # (without PYTHONPATH: a checkout on it, with the .egg-info an editable
+    # install leaves there, reads to pip as the package already installed)
+    clean = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     run(sys.executable, "-m", "pip", "--python", python, "install", "--quiet",
-        "--disable-pip-version-check", dist.wheel, cwd=tmp_path)
+        "--disable-pip-version-check", dist.wheel, cwd=tmp_path, env=clean)
     project = tmp_path / "project"
     project.mkdir()
     (project / "rj_check_settings.py").write_text(
