@@ -70,6 +70,9 @@ MAX_WAIT_S = 1.0
 MAX_AWAITING_ACK = 2_000
 #: How long the finisher may take after the grace period, in seconds.
 FINISHER_GRACE_S = 10.0
+#: How long the children killed at the end of the grace period may take to
+#: be reaped and their jobs handed back, in seconds.
+CHILD_STOP_S = 10.0
 ATTEMPTS_EXHAUSTED = class_path(AttemptsExhausted)
 RELEASED_ERROR = ("reliable_jobs.worker: the worker stopped during this attempt and handed "
                   "the job back")
@@ -240,9 +243,17 @@ class Worker:
             connections.close_all()
 
     def _shutdown(self, executors: list[threading.Thread], finisher: threading.Thread) -> None:
-        """Release what never started, let the rest finish, release what is left.
+        """Hand back what never started, let the rest finish, stop what may be stopped.
 
-        The lease keeper renews throughout, so nothing expires while this runs.
+        Within the grace period nothing that began is touched. Past it (or
+        at once on a hard stop), the attempts running in a child process are
+        killed; each is handed back by its executor once its child is reaped.
+        An attempt running in a thread cannot be killed, and a job whose
+        outcome is with the finisher may still be committed: handing either
+        back now would let another worker run it while this process still
+        runs it, or after its success landed. Both are left to their
+        leases: renewed until this returns, then, the process gone, expired,
+        and the sweep settles each from the mirror or runs it again.
         """
         self._stopping.set()
         self._release([(job, False) for job in self._buffer.close()])
@@ -251,16 +262,24 @@ class Worker:
             while thread.is_alive() and time.monotonic() < deadline \
                     and not self._hard_stop.is_set():
                 thread.join(timeout=0.1)
+        if self.in_hand.interrupt_running():
+            children_deadline = time.monotonic() + CHILD_STOP_S
+            while self.in_hand.stopping_children() and time.monotonic() < children_deadline:
+                time.sleep(0.02)
         self.finisher.close()
-        finisher_deadline = deadline + (0 if self._hard_stop.is_set() else FINISHER_GRACE_S)
+        finisher_deadline = max(deadline, time.monotonic()) + (
+            0 if self._hard_stop.is_set() else FINISHER_GRACE_S)
         while finisher.is_alive() and time.monotonic() < finisher_deadline:
             finisher.join(timeout=0.1)
-        # Jobs whose outcome is in the mirror are never released: if their ack
-        # did not land, their lease expires and recover settles them from it.
-        leftovers = self.in_hand.releasable()
-        if leftovers:
-            logger.warning("Releasing %d job(s) still in hand.", len(leftovers))
-            self._release(leftovers)
+        unstarted = self.in_hand.take_unstarted()
+        if unstarted:
+            self._release([(job, False) for job in unstarted])
+        running, unapplied = self.in_hand.left_running()
+        if running or unapplied:
+            logger.warning(
+                "Stopping with %d job(s) still running in a thread and %d whose outcome is not "
+                "applied yet: they are left to their leases (the sweep settles each from the "
+                "mirror, or runs it again, once its lease expires).", running, unapplied)
 
     def _release(self, jobs: list[tuple[ClaimedJob, bool]]) -> None:
         """Hand jobs back to queued now; record interrupted attempts as released."""

@@ -1,0 +1,202 @@
+"""A deploy never runs a job twice: what SIGTERM, a second SIGTERM and ``--grace`` do.
+
+While a worker stops, only two kinds of job may go back to the queue at
+once: claims whose task never began, and attempts whose child process this
+worker killed and reaped. A task still running in a thread, and a job whose
+outcome is with the finisher (perhaps being committed), are left to their
+leases: the sweep settles them from the mirror, or runs them again, once
+the process is gone and the lease has expired.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from django.db import connections
+from django.db.backends.signals import connection_created
+
+from reliable_jobs.compat import task_backends
+from reliable_jobs.keys import QueueKeys
+from reliable_jobs.models import Attempt, AttemptOutcome, Job, JobState
+from reliable_jobs.worker import Worker
+from reliable_jobs.worker.database import EXECUTOR_THREAD_PREFIX
+from reliable_jobs.worker.finisher import FinishedAttempt
+from testproject.demo import tasks as demo
+
+from .helpers import Processes, drain_here, wait_until
+
+pytestmark = pytest.mark.django_db(transaction=True)
+KEYS = QueueKeys("rj", "default")
+
+
+@contextmanager
+def running(worker: Worker) -> Iterator[threading.Thread]:
+    """Run ``worker`` in a thread of this process; take its session limits back after.
+
+    A worker limits its database sessions for its whole process (see
+    helpers.drain_here): every later test would have them otherwise.
+    """
+    database = connections["default"]
+    options = dict(database.settings_dict.get("OPTIONS", {}))
+    thread = threading.Thread(target=worker.run, name="test-worker", daemon=True)
+    thread.start()
+    try:
+        yield thread
+    finally:
+        worker.stop()
+        thread.join(timeout=30)
+        connection_created.disconnect(dispatch_uid="reliable_jobs.worker.limits.default")
+        database.settings_dict["OPTIONS"] = options
+        database.close()
+
+
+def executors_alive() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith(EXECUTOR_THREAD_PREFIX)]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_hard_stop_never_hands_back_a_job_whose_success_is_being_committed(
+    rj_settings: Any, redis_client: redis.Redis
+) -> None:
+    # Given: a worker whose finisher is committing a job's success (the real
+    # finisher; its mirror write held open until the worker has stopped)
+    rj_settings()
+    result = demo.add.enqueue(1, 2)
+    worker = Worker(task_backends["default"], queues=["default"], scheduler=False)
+    write_mirror = worker.finisher._write_mirror
+    committing, commit = threading.Event(), threading.Event()
+
+    def slow_commit(batch: list[FinishedAttempt]) -> bool:
+        if any(outcome.job is not None for outcome in batch):
+            committing.set()
+            commit.wait(timeout=20)
+        return write_mirror(batch)
+
+    worker.finisher._write_mirror = slow_commit  # type: ignore[method-assign]
+    with running(worker) as thread:
+        assert committing.wait(timeout=20), "the success to reach the finisher"
+
+        # When: the worker is stopped hard (a second signal) mid-commit
+        worker._on_signal(signal.SIGTERM, None)
+        worker._on_signal(signal.SIGTERM, None)
+        thread.join(timeout=20)
+        assert not thread.is_alive()
+
+        # Then: the job was not handed back while its success was on its way
+        assert redis_client.lrange(KEYS.queued, 0, -1) == []
+        assert redis_client.hget(KEYS.job(result.id), "state") == "running"
+        commit.set()
+
+    # And: the commit lands; whatever happens to the ack, the job succeeded
+    # once and never runs again (the sweep settles it from the mirror)
+    wait_until(lambda: Job.objects.get(pk=result.id).state == JobState.SUCCEEDED,
+               message="the success to be committed")
+    drain_here()
+    assert list(Attempt.objects.filter(job_id=result.id).values_list("outcome", flat=True)
+                ) == [AttemptOutcome.SUCCEEDED]
+    assert Job.objects.get(pk=result.id).attempts == 1
+    assert redis_client.lrange(KEYS.queued, 0, -1) == []
+
+
+def test_past_its_grace_a_task_running_in_a_thread_is_left_to_its_lease(
+    rj_settings: Any, redis_client: redis.Redis
+) -> None:
+    # Given: a worker with a 0.3 s grace period running a 2 s task in a thread
+    rj_settings()
+    result = demo.sleep_for.enqueue(2)
+    worker = Worker(task_backends["default"], queues=["default"], grace_s=0.3,
+                    scheduler=False)
+    with running(worker) as thread:
+        wait_until(lambda: Job.objects.filter(pk=result.id, state=JobState.RUNNING).exists(),
+                   message="the task to start")
+
+        # When: it is stopped and the grace period ends with the task running
+        worker._on_signal(signal.SIGTERM, None)
+        thread.join(timeout=20)
+        assert not thread.is_alive()
+
+        # Then: the task still runs in this process, and the job was not handed
+        # back: no other worker can start it while it runs here
+        assert executors_alive()
+        assert redis_client.lrange(KEYS.queued, 0, -1) == []
+        assert redis_client.zscore(KEYS.leases, result.id) is not None
+        assert not Attempt.objects.filter(job_id=result.id, outcome=AttemptOutcome.RELEASED)
+        wait_until(lambda: not executors_alive(), timeout=10, message="the task to end")
+
+
+def test_past_its_grace_a_task_in_a_child_is_killed_then_handed_back(
+    rj_settings: Any, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    # Given: a worker with a 0.3 s grace period running a 30 s task in a child
+    # process (the task has a time limit)
+    rj_settings()
+    pid_file = tmp_path / "child.pid"
+    result = demo.report_pid_then_sleep.enqueue(str(pid_file), 30)
+    worker = Worker(task_backends["default"], queues=["default"], grace_s=0.3,
+                    scheduler=False)
+    child = 0
+    try:
+        with running(worker) as thread:
+            wait_until(pid_file.exists, timeout=30, message="the child to start")
+            child = int(pid_file.read_text())
+
+            # When: it is stopped and the grace period ends with the child running
+            worker._on_signal(signal.SIGTERM, None)
+            thread.join(timeout=20)
+            assert not thread.is_alive()
+
+            # Then: the job is back on the queue only once its child is gone
+            queued = redis_client.lrange(KEYS.queued, 0, -1)
+            assert not (queued and alive(child)), "handed back while its child still ran"
+            assert queued == [result.id]
+            assert list(Attempt.objects.filter(job_id=result.id).values_list(
+                "outcome", flat=True)) == [AttemptOutcome.RELEASED]
+    finally:
+        if child and alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def test_a_worker_stopped_past_its_grace_exits_and_its_thread_task_runs_again_later(
+    rj_settings: Any, processes: Processes, redis_client: redis.Redis
+) -> None:
+    # Given: a real worker (1 s grace, 5 s leases) running a 30 s task in a thread
+    env = rj_settings(LEASE_MS=5_000, RENEW_INTERVAL_MS=500, RECONCILE_GRACE_MS=5_000)
+    result = demo.sleep_for.enqueue(30)
+    worker = processes.worker(env, "--grace", "1", "--no-scheduler")
+    wait_until(lambda: Job.objects.filter(pk=result.id, state=JobState.RUNNING).exists(),
+               timeout=30, message="the task to start")
+
+    # When: a deploy SIGTERMs it
+    stopped_at = time.monotonic()
+    assert processes.stop(worker) == 0, processes.log(worker)
+
+    # Then: it exited soon after its grace period, and the job was not handed
+    # back (it is left to its lease, which outlives the process)
+    assert time.monotonic() - stopped_at < 10
+    assert redis_client.lrange(KEYS.queued, 0, -1) == []
+    assert redis_client.zscore(KEYS.leases, result.id) is not None
+    assert "left to their leases" in processes.log(worker)
+
+    # And: once the lease expired, another worker runs it again, charged
+    # an attempt (the first one was cut short with its process)
+    processes.worker(env, "--no-scheduler")
+    wait_until(lambda: Attempt.objects.filter(job_id=result.id, number=2).exists(),
+               timeout=30, message="the job to run again")
+    assert list(Attempt.objects.filter(job_id=result.id, number=1).values_list(
+        "outcome", flat=True)) == [AttemptOutcome.LEASE_EXPIRED]
