@@ -32,11 +32,12 @@ from reliable_jobs.retention import prune
 from reliable_jobs.sweep import Sweep
 from reliable_jobs.worker import Worker
 from reliable_jobs.worker.backoff import Outage
+from reliable_jobs.worker.finisher import FinishedAttempt
 from reliable_jobs.worker.leases import LeaseKeeper
 from reliable_jobs.worker.registry import InHand, printable
 from testproject.demo import tasks as demo
 
-from .helpers import Processes, backdate, wait_until
+from .helpers import Processes, backdate, drain_here, wait_until, worker_in_thread
 
 pytestmark = pytest.mark.django_db(transaction=True)
 KEYS = QueueKeys("rj", "default")
@@ -499,39 +500,50 @@ def test_a_worker_frozen_inside_its_mirror_transaction_never_stalls_the_others(
         assert code == 0, processes.log(proc)
 
 
-# -- 7. a hard stop never hands back a job whose outcome is in the mirror --------
+# -- 7. a hard stop never hands back a job whose outcome is on its way ----------
 
 
-def test_a_hard_stop_releases_only_jobs_whose_outcome_is_not_mirrored(
+def test_a_hard_stop_never_hands_back_a_job_whose_success_is_being_committed(
     rj_settings: Any, redis_client: redis.Redis
 ) -> None:
-    # Given: a worker holding two started jobs; the first one's success is in
-    # the mirror, its ack not yet sent
+    # Given: a worker whose finisher is committing a job's success (the real
+    # finisher; its mirror write held open until the worker has stopped)
     rj_settings()
-    backend = task_backends["default"]
-    broker: Broker = backend.broker
-    ids = [demo.add.enqueue(i, 0).id for i in range(2)]
-    worker = Worker(backend, queues=["default"])
-    done, running = broker.claim("default", count=2, lease_ms=60_000).jobs
-    assert broker.start("default", [done.fence, running.fence]) == [True, True]
-    worker.in_hand.add([done, running])
-    for job in (done, running):
-        worker.in_hand.start(job)
-    mirror.record("default", [success(done)])
-    worker.in_hand.mirrored([done])
+    result = demo.add.enqueue(1, 2)
+    worker = Worker(task_backends["default"], queues=["default"], scheduler=False)
+    write_mirror = worker.finisher._write_mirror
+    committing, commit = threading.Event(), threading.Event()
 
-    # When: it is stopped hard (a second signal), with its finisher gone
-    worker._hard_stop.set()
-    worker._shutdown([], threading.Thread(target=lambda: None))
+    def slow_commit(batch: list[FinishedAttempt]) -> bool:
+        if any(outcome.job is not None for outcome in batch):
+            committing.set()
+            commit.wait(timeout=20)
+        return write_mirror(batch)
 
-    # Then: only the job without a mirrored outcome went back to the queue;
-    # the other stays held until recover settles it from the mirror
-    assert redis_client.lrange(KEYS.queued, 0, -1) == [running.id]
-    assert redis_client.hget(KEYS.job(done.id), "state") == "running"
-    assert Job.objects.get(pk=done.id).state == JobState.SUCCEEDED
-    assert Attempt.objects.get(job_id=done.id, number=1).outcome == AttemptOutcome.SUCCEEDED
-    assert Attempt.objects.get(job_id=running.id, number=1).outcome == AttemptOutcome.RELEASED
-    assert sorted(ids) == sorted([done.id, running.id])
+    worker.finisher._write_mirror = slow_commit  # type: ignore[method-assign]
+    with worker_in_thread(worker) as thread:
+        assert committing.wait(timeout=20), "the success to reach the finisher"
+
+        # When: the worker is stopped hard (a second signal) mid-commit
+        worker._on_signal(signal.SIGTERM, None)
+        worker._on_signal(signal.SIGTERM, None)
+        thread.join(timeout=20)
+        assert not thread.is_alive()
+
+        # Then: the job was not handed back while its success was on its way
+        assert redis_client.lrange(KEYS.queued, 0, -1) == []
+        assert redis_client.hget(KEYS.job(result.id), "state") == "running"
+        commit.set()
+
+    # And: the commit lands; whatever happens to the ack, the job succeeded
+    # once and never runs again (the sweep settles it from the mirror)
+    wait_until(lambda: Job.objects.get(pk=result.id).state == JobState.SUCCEEDED,
+               message="the success to be committed")
+    drain_here()
+    assert list(Attempt.objects.filter(job_id=result.id).values_list("outcome", flat=True)
+                ) == [AttemptOutcome.SUCCEEDED]
+    assert Job.objects.get(pk=result.id).attempts == 1
+    assert redis_client.lrange(KEYS.queued, 0, -1) == []
 
 
 # -- 12. the smaller ones -------------------------------------------------------

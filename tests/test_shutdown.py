@@ -5,7 +5,8 @@ once: claims whose task never began, and attempts whose child process this
 worker killed and reaped. A task still running in a thread, and a job whose
 outcome is with the finisher (perhaps being committed), are left to their
 leases: the sweep settles them from the mirror, or runs them again, once
-the process is gone and the lease has expired.
+the process is gone and the lease has expired. (The hard stop of a job
+whose success is being committed is in test_guarantees.py, section 7.)
 """
 
 from __future__ import annotations
@@ -14,49 +15,23 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
-from django.db import connections
-from django.db.backends.signals import connection_created
 
 from reliable_jobs.compat import task_backends
 from reliable_jobs.keys import QueueKeys
 from reliable_jobs.models import Attempt, AttemptOutcome, Job, JobState
 from reliable_jobs.worker import Worker
 from reliable_jobs.worker.database import EXECUTOR_THREAD_PREFIX
-from reliable_jobs.worker.finisher import FinishedAttempt
 from testproject.demo import tasks as demo
 
-from .helpers import Processes, drain_here, wait_until
+from .helpers import Processes, wait_until, worker_in_thread
 
 pytestmark = pytest.mark.django_db(transaction=True)
 KEYS = QueueKeys("rj", "default")
-
-
-@contextmanager
-def running(worker: Worker) -> Iterator[threading.Thread]:
-    """Run ``worker`` in a thread of this process; take its session limits back after.
-
-    A worker limits its database sessions for its whole process (see
-    helpers.drain_here): every later test would have them otherwise.
-    """
-    database = connections["default"]
-    options = dict(database.settings_dict.get("OPTIONS", {}))
-    thread = threading.Thread(target=worker.run, name="test-worker", daemon=True)
-    thread.start()
-    try:
-        yield thread
-    finally:
-        worker.stop()
-        thread.join(timeout=30)
-        connection_created.disconnect(dispatch_uid="reliable_jobs.worker.limits.default")
-        database.settings_dict["OPTIONS"] = options
-        database.close()
 
 
 def executors_alive() -> list[str]:
@@ -71,49 +46,6 @@ def alive(pid: int) -> bool:
     return True
 
 
-def test_a_hard_stop_never_hands_back_a_job_whose_success_is_being_committed(
-    rj_settings: Any, redis_client: redis.Redis
-) -> None:
-    # Given: a worker whose finisher is committing a job's success (the real
-    # finisher; its mirror write held open until the worker has stopped)
-    rj_settings()
-    result = demo.add.enqueue(1, 2)
-    worker = Worker(task_backends["default"], queues=["default"], scheduler=False)
-    write_mirror = worker.finisher._write_mirror
-    committing, commit = threading.Event(), threading.Event()
-
-    def slow_commit(batch: list[FinishedAttempt]) -> bool:
-        if any(outcome.job is not None for outcome in batch):
-            committing.set()
-            commit.wait(timeout=20)
-        return write_mirror(batch)
-
-    worker.finisher._write_mirror = slow_commit  # type: ignore[method-assign]
-    with running(worker) as thread:
-        assert committing.wait(timeout=20), "the success to reach the finisher"
-
-        # When: the worker is stopped hard (a second signal) mid-commit
-        worker._on_signal(signal.SIGTERM, None)
-        worker._on_signal(signal.SIGTERM, None)
-        thread.join(timeout=20)
-        assert not thread.is_alive()
-
-        # Then: the job was not handed back while its success was on its way
-        assert redis_client.lrange(KEYS.queued, 0, -1) == []
-        assert redis_client.hget(KEYS.job(result.id), "state") == "running"
-        commit.set()
-
-    # And: the commit lands; whatever happens to the ack, the job succeeded
-    # once and never runs again (the sweep settles it from the mirror)
-    wait_until(lambda: Job.objects.get(pk=result.id).state == JobState.SUCCEEDED,
-               message="the success to be committed")
-    drain_here()
-    assert list(Attempt.objects.filter(job_id=result.id).values_list("outcome", flat=True)
-                ) == [AttemptOutcome.SUCCEEDED]
-    assert Job.objects.get(pk=result.id).attempts == 1
-    assert redis_client.lrange(KEYS.queued, 0, -1) == []
-
-
 def test_past_its_grace_a_task_running_in_a_thread_is_left_to_its_lease(
     rj_settings: Any, redis_client: redis.Redis
 ) -> None:
@@ -122,7 +54,7 @@ def test_past_its_grace_a_task_running_in_a_thread_is_left_to_its_lease(
     result = demo.sleep_for.enqueue(2)
     worker = Worker(task_backends["default"], queues=["default"], grace_s=0.3,
                     scheduler=False)
-    with running(worker) as thread:
+    with worker_in_thread(worker) as thread:
         wait_until(lambda: Job.objects.filter(pk=result.id, state=JobState.RUNNING).exists(),
                    message="the task to start")
 
@@ -152,7 +84,7 @@ def test_past_its_grace_a_task_in_a_child_is_killed_then_handed_back(
                     scheduler=False)
     child = 0
     try:
-        with running(worker) as thread:
+        with worker_in_thread(worker) as thread:
             wait_until(pid_file.exists, timeout=30, message="the child to start")
             child = int(pid_file.read_text())
 
