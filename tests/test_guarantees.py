@@ -522,18 +522,20 @@ def test_a_hard_stop_never_hands_back_a_job_whose_success_is_being_committed(
 
     worker.finisher._write_mirror = slow_commit  # type: ignore[method-assign]
     with worker_in_thread(worker) as thread:
-        assert committing.wait(timeout=20), "the success to reach the finisher"
+        try:
+            assert committing.wait(timeout=20), "the success to reach the finisher"
 
-        # When: the worker is stopped hard (a second signal) mid-commit
-        worker._on_signal(signal.SIGTERM, None)
-        worker._on_signal(signal.SIGTERM, None)
-        thread.join(timeout=20)
-        assert not thread.is_alive()
+            # When: the worker is stopped hard (a second signal) mid-commit
+            worker._on_signal(signal.SIGTERM, None)
+            worker._on_signal(signal.SIGTERM, None)
+            thread.join(timeout=20)
+            assert not thread.is_alive()
 
-        # Then: the job was not handed back while its success was on its way
-        assert redis_client.lrange(KEYS.queued, 0, -1) == []
-        assert redis_client.hget(KEYS.job(result.id), "state") == "running"
-        commit.set()
+            # Then: the job was not handed back while its success was on its way
+            assert redis_client.lrange(KEYS.queued, 0, -1) == []
+            assert redis_client.hget(KEYS.job(result.id), "state") == "running"
+        finally:
+            commit.set()
 
     # And: the commit lands; whatever happens to the ack, the job succeeded
     # once and never runs again (the sweep settles it from the mirror)
