@@ -372,9 +372,11 @@ class ChaosRun(ChaosCounting):
 
         Every ``second_sigterm_every``-th stop gets a second SIGTERM a second
         later (a hard stop). The worker drains by itself; _reap_stopping
-        notes when it exited.
+        notes when it exited. Only a worker that beats is chosen: one still
+        starting has no signal handler yet, and would die of the signal.
         """
-        alive = [slot for slot in self.slots if slot.proc.poll() is None]
+        alive = [slot for slot in self.slots if slot.proc.poll() is None
+                 and worker_info(self.backend.broker, slot.worker_id) is not None]
         if not alive:
             return
         slot = self.rng.choice(alive)
