@@ -170,6 +170,12 @@ class Worker:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
 
+    def ignore_signals(self) -> None:
+        """Ignore SIGTERM and SIGINT from now on (the worker has stopped; the process exits)."""
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._signals += 1
         if self._signals == 1:

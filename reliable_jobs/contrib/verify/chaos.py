@@ -411,7 +411,7 @@ class ChaosRun(ChaosCounting):
                         and not stop.second_sent:
                     with contextlib.suppress(ProcessLookupError):
                         proc.terminate()
-                    stop.second_sent = True
+                    stop.second_sent, stop.deadline = True, time.time()
                 elif now > stop.signalled_at + self.config.grace_s + STOP_SLACK_S:
                     proc.kill()
                     proc.wait()

@@ -136,6 +136,11 @@ class Command(ReliableJobsCommand):
         try:
             worker.run()
         finally:
+            # Stopped: what is left is the interpreter's exit, during which
+            # Python puts back the default action of the signals it handled. A
+            # second SIGTERM arriving then would turn a clean stop into a
+            # death by signal (exit -15, which a supervisor reports).
+            worker.ignore_signals()
             if heartbeat is not None:
                 heartbeat.stop()
         if worker.crashed:
