@@ -299,6 +299,8 @@ class ChaosRun(ChaosCounting):
                              "no more kills (raise --jobs or --task-ms for a longer chaos)")
                     break
             time.sleep(max(0.0, min(0.05, next_kill - time.monotonic())))
+        for _, action in pending:  # due at the very end (PostgreSQL back at --duration)
+            action(time.monotonic() - started)
         return time.monotonic() - started
 
     def _fault_schedule(self, ids: list[str]) -> list[tuple[float, Callable[[float], None]]]:
