@@ -255,11 +255,13 @@ class Worker:
         at once on a hard stop), the attempts running in a child process are
         killed; each is handed back by its executor once its child is reaped.
         An attempt running in a thread cannot be killed, and a job whose
-        outcome is with the finisher may still be committed: handing either
-        back now would let another worker run it while this process still
-        runs it, or after its success landed. Both are left to their
+        outcome is with a live finisher may still be committed: handing
+        either back now would let another worker run it while this process
+        still runs it, or after its success landed. Both are left to their
         leases: renewed until this returns, then, the process gone, expired,
-        and the sweep settles each from the mirror or runs it again.
+        and the sweep settles each from the mirror or runs it again. Once
+        the finisher's thread has ended, an outcome it did not mirror never
+        will be: that job (its task over) is handed back at once.
         """
         self._stopping.set()
         self._release([(job, False) for job in self._buffer.close()])
@@ -277,9 +279,9 @@ class Worker:
             0 if self._hard_stop.is_set() else FINISHER_GRACE_S)
         while finisher.is_alive() and time.monotonic() < finisher_deadline:
             finisher.join(timeout=0.1)
-        unstarted = self.in_hand.take_unstarted()
-        if unstarted:
-            self._release([(job, False) for job in unstarted])
+        releasable = self.in_hand.take_releasable(finisher_ended=not finisher.is_alive())
+        if releasable:
+            self._release(releasable)
         running, unapplied = self.in_hand.left_running()
         if running or unapplied:
             logger.warning(

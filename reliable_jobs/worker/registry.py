@@ -159,20 +159,24 @@ class InHand:
                     by_queue[held.job.queue].append(held.job)
         return by_queue
 
-    def take_unstarted(self) -> list[ClaimedJob]:
-        """Every job whose task never began, which no executor may begin from now on.
+    def take_releasable(self, *, finisher_ended: bool) -> list[tuple[ClaimedJob, bool]]:
+        """(job, started) of every job nothing of which can run or land any more;
+        no executor may begin one of them from now on.
 
-        Only these are safe to hand back while this process lives: a job
-        whose task began may still be running in a thread, or have its
-        outcome on its way to the mirror (a commit under way lands after a
-        release, and the job would run again). Those are left to their
-        leases (see Worker._shutdown).
+        Those are the jobs whose task never began, and, once the finisher's
+        thread has ended (``finisher_ended``), those whose task ran but
+        whose outcome did not reach the mirror: no commit of it can land any
+        more. Any other job is unsafe to hand back while this process
+        lives: its task may still run in a thread, or its outcome be inside
+        a commit that lands after the release (and the job would run
+        again). Those are left to their leases (see Worker._shutdown).
         """
         with self._lock:
-            taken = [held for held in self._held.values() if not held.started]
+            taken = [held for held in self._held.values() if not held.started
+                     or (finisher_ended and held.done and not held.mirrored)]
             for held in taken:
                 held.lost = True  # begin() refuses it now
-            return [held.job for held in taken]
+            return [(held.job, held.started) for held in taken]
 
     def interrupt_running(self) -> int:
         """Ask every running attempt to stop (kills the children); return how many run."""
