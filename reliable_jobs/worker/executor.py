@@ -149,7 +149,8 @@ class Executor:
                 self.slot_freed.set()
                 continue
             try:
-                self._execute(job, held)
+                if not self._execute(job, held):
+                    continue  # its killed child was not reaped: left to its lease
                 # Room to claim ahead again, when the main loop wants it (see
                 # Worker.wants_room: not after every no-op job). Set only if not
                 # set already: the main loop clears it before it counts the
@@ -203,16 +204,17 @@ class Executor:
                                "started); not running it.", printable(job.id), job.attempt)
         return held
 
-    def _execute(self, job: ClaimedJob, held: Held) -> None:
+    def _execute(self, job: ClaimedJob, held: Held) -> bool:
+        """Run the attempt; False only if its child was killed and could not be reaped."""
         started_at = self.now()
         started_clock = time.perf_counter()
         try:
-            self._run_task(job, held, started_at, started_clock)
+            return self._run_task(job, held, started_at, started_clock)
         finally:
             self.pace.observe((time.perf_counter() - started_clock) * 1000)
 
     def _run_task(self, job: ClaimedJob, held: Held, started_at: datetime,
-                  started_clock: float) -> None:
+                  started_clock: float) -> bool:
         cancellation = held.cancellation
         self.finisher.record(AttemptRecord(
             job_id=job.id, attempt=job.attempt, gen=job.gen, job_state=JobState.RUNNING,
@@ -262,7 +264,7 @@ class Executor:
                     value = task.call(*decoded.args, **decoded.kwargs)
             value = normalize_json(value)
         except ChildStopped as exc:
-            self._stopped(job, reaped=exc.reaped)
+            return self._stopped(job, reaped=exc.reaped)
         except Exception as exc:
             result = self._unsuccessful_result(result, runnable, job, started_at)
             if cancellation.requested():
@@ -273,7 +275,7 @@ class Executor:
             if cancellation.requested():
                 result = self._unsuccessful_result(result, runnable, job, started_at)
                 self._cancelled(job, None, task_path, result, started_at)
-                return
+                return True
             finished_at = self.now()
             if result is not None:
                 object.__setattr__(result, "status", TaskResultStatus.SUCCESSFUL)
@@ -293,8 +295,9 @@ class Executor:
             if logger.isEnabledFor(logging.DEBUG):
                 log_attempt(logging.DEBUG, job, task_path, AttemptOutcome.SUCCEEDED,
                             (time.perf_counter() - started_clock) * 1000)
+        return True
 
-    def _stopped(self, job: ClaimedJob, *, reaped: bool) -> None:
+    def _stopped(self, job: ClaimedJob, *, reaped: bool) -> bool:
         """The worker stopped past its grace period and killed this attempt's child.
 
         Reaped, nothing of the attempt runs any more: hand the job back now
@@ -304,12 +307,13 @@ class Executor:
         if not reaped:
             logger.warning("Job %s attempt %d: its killed process could not be waited for; "
                            "leaving the job to its lease.", printable(job.id), job.attempt)
-            return
+            return False
         self.finisher.wait_until_flushed()
         self.release([(job, True)])
         logger.warning("Job %s attempt %d was still running when the grace period ended: its "
                        "process was killed and the job handed back.",
                        printable(job.id), job.attempt)
+        return True
 
     def _unsuccessful_result(self, result: TaskResult[..., Any] | None,
                              runnable: tuple[payload.Payload, Any] | None, job: ClaimedJob,
