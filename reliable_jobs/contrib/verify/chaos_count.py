@@ -136,10 +136,11 @@ class ChaosCounting:
             redis_losses=[fault.wall for fault in self.faults if fault.name == FLUSH_FAULT],
             start_lag_s=max(1.0, 2 * MARK_AHEAD * self.config.task_ms / 1000), stops=stops)
         report.ledger = findings
+        deadlines = {stop.pid: stop.deadline for stop in self.stops if stop.exited_at}
         report.cut_by_stop = sum(
             1 for run in ledger.runs
-            if (stop := stops.get(run.pid)) is not None and run.start <= stop.deadline
-            and (run.end is None or run.end > stop.deadline))
+            if (deadline := deadlines.get(run.pid)) is not None and run.start <= deadline
+            and (run.end is None or run.end > deadline))
         report.evidence = chaos_ledger.evidence(findings, self.deaths, stops=stops)
         lines = [f"kill: worker {kill.worker_id} pid {kill.pid} dead at "
                  f"{chaos_ledger.clock(kill.died_at)}" for kill in self.kills]

@@ -174,7 +174,8 @@ class ChaosReport:
     hard_stops: int = 0
     unclean_stops: int = 0
     #: Runs still going when their worker's grace period ended (or its second
-    #: SIGTERM came): each may run again once its lease expires.
+    #: SIGTERM came): each may run again once its lease expires (a hard stop
+    #: is a crash for them).
     cut_by_stop: int = 0
     #: Workers and sweeps that exited without being killed (restarted).
     unexpected_exits: int = 0
@@ -248,7 +249,7 @@ class ChaosReport:
              "off" if c.sigterm_every_s is None else f"{self.hard_stops:,}"),
             ("stops that exited non-zero or were SIGKILLed (must be 0)",
              "off" if c.sigterm_every_s is None else f"{self.unclean_stops:,}"),
-            ("runs still going when their worker's grace ended",
+            ("runs still going when their worker's grace ended (or second SIGTERM came)",
              "off" if c.sigterm_every_s is None else f"{self.cut_by_stop:,}"),
             *((name, detail) for name, detail in self.faults.items()),
             ("jobs a killed worker held, seen to run again", f"{self.interrupted:,}"),
