@@ -2,7 +2,7 @@
 
 The backend is thin: it validates and enqueues (a database row in the
 caller's transaction, then a Redis push on commit), and reads results from
-the mirror. Running jobs is the worker's business (``worker.py``).
+the mirror. Running jobs is the worker's business (the ``worker`` package).
 
 Nothing here imports the models (``models``, ``mirror``, ``staff``) at
 module level: Django loads this module for ``manage.py check`` even when
@@ -71,7 +71,7 @@ class ReliableJobsBackend(BaseTaskBackend):
     supports_get_result = True
     #: Django's -100..100, higher claimed first, FIFO within a priority:
     #: priority 0 stays on the queue's plain list, every other priority in
-    #: use has a list of its own (see README "Priorities").
+    #: use has a list of its own (see docs/howto/priorities.md).
     supports_priority = True
 
     def __init__(self, alias: str, params: dict[str, Any]) -> None:

@@ -82,7 +82,7 @@ class BackendOptions:
     #: Starvation guard: while jobs of several priorities wait in a queue,
     #: one claim in FAIR_SHARE takes the job that has waited longest
     #: whatever its priority (the others go highest priority first); 0
-    #: means strict priority. See README "Priorities".
+    #: means strict priority. See docs/howto/priorities.md.
     FAIR_SHARE: int = 10
     #: Shards per queue, e.g. {"emails": 4}: each shard is a queue of its own
     #: (its own hash tag, so its own cluster slot); unlisted queues have one.

@@ -9,7 +9,7 @@ them before these settings load, or startup stops with
 ImproperlyConfigured), DEBUG is off, and the HTTPS settings are the ones
 ``manage.py check --deploy`` asks for; the test suite runs that check with
 ``--fail-level WARNING``. Use ``rediss://`` and a Redis ACL user in
-REDIS_URL (see the README's Security section).
+REDIS_URL (see docs/howto/security.md).
 """
 
 from __future__ import annotations

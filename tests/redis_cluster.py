@@ -2,7 +2,7 @@
 
 Three masters from the machine's ``redis-server`` (and a replica each when
 asked), created with ``redis-cli --cluster create``; nothing is kept on disk.
-docs/machine.md has the facts this relies on (about 2 s to form, about 2 s to
+docs/CONTRIBUTING.md has the facts this relies on (about 2 s to form, about 2 s to
 fail over with a 1 s node timeout).
 """
 

@@ -1,6 +1,6 @@
-"""Workers and the sweep under the README's minimal Redis ACL, and over TLS.
+"""Workers and the sweep under the documented minimal Redis ACL, and over TLS.
 
-The README gives the ACL a deployment should give its processes: only the
+docs/howto/security.md gives the ACL a deployment should give its processes: only the
 commands reliable_jobs sends (found with MONITOR: the script calls, the
 blocking waits, the counts, the heartbeats, the connection setup, and every
 command the Lua scripts run, since Redis checks those against the caller's
@@ -35,7 +35,7 @@ from .helpers import REDIS_URL, Processes, wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
-#: The README's minimal ACL for reliable_jobs processes (key prefix "rj"),
+#: The minimal ACL of docs/howto/security.md for reliable_jobs processes (key prefix "rj"),
 #: rule by rule. Commands the clients send: script calls (EVALSHA, and
 #: SCRIPT LOAD after a restart), the blocking waits, a busy worker's look at
 #: the wake markers of queues it skips (LMPOP, or LPOP before Redis 7), counts, reconcile's
@@ -80,7 +80,7 @@ def with_user(url: str, user: str, password: str, *, db: int | None = None,
 
 @pytest.fixture
 def acl_user(redis_client: redis.Redis) -> Iterator[tuple[str, str]]:
-    """A Redis user with exactly the README's ACL; removed at teardown."""
+    """A Redis user with exactly the documented ACL; removed at teardown."""
     name, password = f"rj_acl_{uuid.uuid4().hex[:10]}", f"pw-{uuid.uuid4().hex}"
     add_acl_user(redis_client, name, password)
     try:

@@ -30,7 +30,7 @@ from .helpers import REPO, Processes, wait_until
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
 CHROMIUM = "/usr/bin/chromium"
-#: docs/machine.md: what Debian's Chromium needs to start quickly and quietly here.
+#: docs/CONTRIBUTING.md: what Debian's Chromium needs to start quickly and quietly here.
 CHROMIUM_ARGS = ["--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
 ARTIFACTS = REPO / "test-artifacts"
@@ -46,7 +46,7 @@ def browser() -> Iterator[Browser]:
 
     Playwright's sync API runs an event loop in this thread while it is open,
     and Django refuses ORM calls from a thread with a running loop unless
-    DJANGO_ALLOW_ASYNC_UNSAFE is set (docs/machine.md). Module scope keeps both
+    DJANGO_ALLOW_ASYNC_UNSAFE is set (docs/CONTRIBUTING.md). Module scope keeps both
     the loop and the variable away from every other test module.
     """
     if not Path(CHROMIUM).exists():

@@ -1,6 +1,6 @@
 """G1 under chaos: ``manage.py chaosjobs`` SIGKILLs real workers and loses nothing.
 
-CI's short version of the README's chaos table: two workers, a kill every
+CI's short version of the chaos table of docs/explanation/guarantees.md: two workers, a kill every
 1.5 s for 6 s, 300 jobs of 50 ms (long enough that jobs are running when
 their worker dies), some planned to fail once or to give up, the Redis
 database emptied at 1.5 s and PostgreSQL cut off from 3 s to 5.5 s. The

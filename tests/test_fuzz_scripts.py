@@ -13,7 +13,7 @@ stranded off every list.
 
 Out of scope, on purpose: rewriting a job's ``state`` to another *valid*
 state (``scheduled`` while it sits on queued, say). The scripts trust the
-state they wrote, so such a job can be stranded until staff act; the README
+state they wrote, so such a job can be stranded until staff act; docs/howto/security.md
 says that Redis write access must be protected for this reason.
 
 Hypothesis runs derandomized (the same examples on every run) without its

@@ -11,7 +11,7 @@ jobs succeed.
 
 Left out on purpose: registered tasks that sleep, hang, ask for a retry in a
 caller-chosen delay or kill their process (they would, by design, hold a
-burst worker for as long as their arguments say: the README's threat model
+burst worker for as long as their arguments say: the threat model of docs/howto/security.md
 counts "run any registered task with any arguments" as what Redis write
 access grants), and floats whose sum overflows (a task returning infinity
 is the mirror bug reported with this suite). Derandomized, few examples,

@@ -1,7 +1,7 @@
 """G1-G5 in the interleavings the crash tests never tried.
 
 Each test stages one race with real Redis and PostgreSQL (and real worker
-processes where the race needs them) and checks the sentence of the README
+processes where the race needs them) and checks the sentence of docs/explanation/guarantees.md
 it used to break: a job that runs twice without a crash, runs concurrently
 under one fencing token, ends with the wrong outcome, or runs after it was
 cancelled.

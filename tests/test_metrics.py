@@ -252,10 +252,28 @@ def test_without_the_library_the_flag_fails_and_the_check_warns(
     assert "--metrics-port cannot work: prometheus_client is not installed" in log
     assert "reliable-jobs[prometheus]" in log
 
-    # And: `manage.py check` warns that the mounted view cannot work
-    check = processes.manage("check", env=env, extra_env=extra)
+    # And: `manage.py check` of a project that mounts the view warns that it cannot work
+    (tmp_path / "blocked" / "mounted_urls.py").write_text(
+        "from django.urls import include, path\n"
+        "urlpatterns = [path('jobs/', include('reliable_jobs.urls'))]\n")
+    (tmp_path / "blocked" / "mounted_settings.py").write_text(
+        "from testproject.settings import *  # noqa: F403\nROOT_URLCONF = 'mounted_urls'\n")
+    check = processes.manage("check", env=env,
+                             extra_env={**extra, "DJANGO_SETTINGS_MODULE": "mounted_settings"})
     assert check.wait(timeout=60) == 0
     assert "reliable_jobs.W020" in processes.log(check)
+
+    # And: the test project, which mounts it only with the extra, stays quiet (a
+    # newcomer's quickstart installs no prometheus_client)
+    check = processes.manage("check", env=env, extra_env=extra)
+    assert check.wait(timeout=60) == 0
+    assert "W020" not in processes.log(check)
+    readiness = subprocess.run(
+        [sys.executable, "-c", "import django; django.setup(); from django.urls import reverse; "
+         "print(reverse('ready'))"],
+        env={**env, **extra, "DJANGO_SETTINGS_MODULE": "testproject.settings"}, cwd=REPO,
+        capture_output=True, text=True, timeout=60, check=True)
+    assert readiness.stdout.strip().splitlines()[-1] == "/jobs/ready"
 
 
 def test_without_either_library_the_hook_is_the_no_op(rj_settings: Any, tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ A Hypothesis ``RuleBasedStateMachine`` drives exactly those steps against
 the real Redis scripts (through the default backend's :class:`Broker`) and
 the real PostgreSQL mirror (``mirror.record``, ``Sweep``, ``staff``), with
 up to three simulated workers, and checks after every step the promises of
-README "Guarantees" and docs/design.md:
+docs/explanation/guarantees.md and docs/design.md:
 
 - one live token per job: a fencing token (id, attempt, gen) is never
   handed out twice, so two workers can never both hold a current token;

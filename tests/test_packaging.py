@@ -37,7 +37,8 @@ DATA_GLOBS = ("scripts/*.lua", "scripts/include/*.lua", "templates/**/*.html", "
 #: What the sdist must carry beyond the package, so its tests run.
 SDIST_FILES = ("tests/conftest.py", "tests/tasks.py", "tests/test_backend.py",
                "testproject/settings.py", "manage.py", "setup.cfg", "pyproject.toml",
-               "MANIFEST.in", "CHANGELOG.md", "LICENSE", "README.md", "docs/design.md")
+               "MANIFEST.in", "CHANGELOG.md", "LICENSE", "README.md", "docs/design.md",
+               "docs/conf.py", "docs/index.md", "docs/tutorial.md")
 #: The opt-in app's commands, and files the wheel must carry for it to run.
 VERIFY_COMMANDS = ("chaosjobs", "benchjobs")
 VERIFY_FILES = (

@@ -1,24 +1,27 @@
-"""The README's "Use it in your project" snippets run as pasted into a fresh project.
+"""The Python blocks of the README and the docs run as pasted into a fresh project.
 
 A newcomer copies them into what ``django-admin startproject`` and
-``startapp`` generate; a snippet that fails there (``env`` undefined, an
-``...`` placeholder) is the first thing they meet. This test does what they
-would: it generates the project with the suite's Python, appends the
-settings snippet to the generated settings, writes the app's files from the
-others, and runs ``check``, ``migrate``, the view that enqueues, a burst
-``runworker`` and ``recoverjobs`` as real processes against the suite's
-Redis and a PostgreSQL database of its own.
+``startapp`` generate; a block that fails there (``env`` undefined, an
+``...`` placeholder) is the first thing they meet. These tests do what they
+would: generate the project with the suite's Python, append the settings
+blocks to the generated settings, write the app's files from the others
+(several blocks for one file joined in page order), and run ``check``,
+``migrate``, the blocks that name no file (in ``manage.py shell``), a view
+that enqueues, a burst ``runworker`` and ``recoverjobs`` as real processes
+against the suite's Redis. The README's example runs on the generated
+project's own SQLite database; the tutorial and the how-to pages together on
+a PostgreSQL database of their own. docs/CONTRIBUTING.md says how every other
+kind of block is checked (tests/test_docs.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psycopg
@@ -28,36 +31,62 @@ from django.db import connections
 
 from reliable_jobs.sweep import SweepReport
 
+from .docblocks import DOCS, DOCS_PAGES, README, Block, project_blocks, shell_blocks
 from .helpers import REDIS_URL, REPO
 
-README = REPO / "README.md"
 #: Seconds any one command may take on a loaded 2-core machine (migrate is the slowest).
 COMMAND_TIMEOUT_S = 120
-#: A snippet's first line names the file it goes in: ``# myapp/tasks.py ...``.
-TARGET = re.compile(r"#\s*([\w/]+\.py)\b")
+TUTORIAL = DOCS / "tutorial.md"
+#: What a block naming no file may use without importing it: the app's tasks.
+SHELL_PREAMBLE = "from myapp.tasks import *  # noqa: F403\n"
 
 
-def section(title: str) -> str:
-    """The README text from heading ``title`` to the next heading of any level."""
-    text = README.read_text()
-    start = text.index(f"\n{title}\n")
-    following = re.search(r"\n#{2,3} ", text[start + len(title) + 2:])
-    assert following, title
-    return text[start:start + len(title) + 2 + following.start()]
+def generated_project(site: Path, env: dict[str, str],
+                      by_file: dict[str, list[Block]]) -> Callable[..., str]:
+    """``startproject mysite`` + ``startapp myapp`` in ``site``, the blocks pasted in.
+
+    Returns ``run(*args)``: the suite's Python run in the project, its stdout
+    returned, any failure an assertion naming the command and its output.
+    """
+    site.mkdir()
+
+    def run(*args: str) -> str:
+        done = subprocess.run([sys.executable, *args], cwd=site, env=env, capture_output=True,
+                              text=True, timeout=COMMAND_TIMEOUT_S)
+        assert done.returncode == 0, f"{args}:\n{done.stdout}\n{done.stderr}"
+        return done.stdout
+
+    run("-m", "django", "startproject", "mysite", ".")
+    run("manage.py", "startapp", "myapp")
+    for target, pasted in by_file.items():
+        path = site / target
+        text = "\n\n".join(block.text for block in pasted)
+        if target.endswith(("settings.py", "urls.py")):
+            path.write_text(path.read_text() + "\n\n" + text)
+        else:
+            path.write_text(text)
+    return run
 
 
-def python_snippets(text: str) -> list[str]:
-    return re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
+def run_shell_blocks(run: Callable[..., str], page_list: list[Path]) -> None:
+    """Each block of these pages that names no file, in ``manage.py shell`` of the project."""
+    for block in shell_blocks(page_list):
+        run("manage.py", "shell", "-c", SHELL_PREAMBLE + block.text)
 
 
-def snippets_by_file() -> dict[str, str]:
-    """Each Python snippet of "Use it in your project", keyed by the file it names."""
-    by_file: dict[str, str] = {}
-    for snippet in python_snippets(section("## Use it in your project")):
-        target = TARGET.match(snippet)
-        assert target, f"a README snippet does not say which file it goes in:\n{snippet}"
-        by_file[target.group(1)] = snippet
-    return by_file
+def clean_env(**variables: str) -> dict[str, str]:
+    env = {**os.environ, "REDIS_URL": REDIS_URL,
+           # this checkout's reliable_jobs, whatever the venv has installed
+           "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **variables}
+    for name in ("DJANGO_SETTINGS_MODULE", "RJ_OPTIONS", "RJ_QUEUES", "RJ_PREFIX",
+                 "DATABASE_URL"):
+        if name not in variables:
+            env.pop(name, None)
+    return env
+
+
+def commands_page() -> str:
+    return (DOCS / "reference" / "commands.md").read_text()
 
 
 @pytest.fixture
@@ -85,43 +114,50 @@ def fresh_database() -> Iterator[str]:
 
 
 def test_every_snippet_names_its_file() -> None:
-    # Given the Python snippets of "Use it in your project"
-    # Then there are the three a newcomer needs, each saying where it goes
-    assert sorted(snippets_by_file()) == ["myapp/tasks.py", "myapp/views.py",
-                                          "mysite/settings.py"]
+    # Given the Python blocks of the README's example and of the tutorial
+    # Then each names the file it goes in: the few a newcomer needs
+    assert sorted(project_blocks([README])) == ["myapp/tasks.py", "mysite/settings.py"]
+    assert sorted(project_blocks([TUTORIAL])) == ["myapp/tasks.py", "myapp/views.py",
+                                                  "mysite/settings.py"]
+
+
+@pytest.mark.slow
+def test_the_readme_example_runs_in_a_generated_project(
+    tmp_path: Path, redis_client: redis.Redis
+) -> None:
+    # Given a generated project (its own SQLite database) with the README's example pasted in
+    run = generated_project(tmp_path / "site", clean_env(), project_blocks([README]))
+
+    # When the README's commands run, Then check and migrate pass
+    run("manage.py", "check")
+    run("manage.py", "migrate", "--no-input")
+
+    # When its enqueue block runs, Then one job waits on the default queue
+    run_shell_blocks(run, [README])
+    assert redis_client.llen("rj:{default}:queued") == 1
+
+    # When a burst worker serves it, and a recovery pass runs
+    run("manage.py", "runworker", "--burst")
+    run("manage.py", "recoverjobs")
+
+    # Then the job succeeded with the task's return value
+    status = ("from myapp.tasks import send_welcome; from reliable_jobs.models import Job; "
+              "job = Job.objects.get(); r = send_welcome.get_result(str(job.pk)); "
+              "print(r.status, r.return_value)")
+    assert run("manage.py", "shell", "-c", status).strip().splitlines()[-1] == (
+        "SUCCESSFUL welcome sent to user 42")
 
 
 @pytest.mark.slow
 def test_snippets_run_as_pasted_in_a_generated_project(
     tmp_path: Path, fresh_database: str, redis_client: redis.Redis
 ) -> None:
-    # Given a project and an app generated by Django's own commands
-    site = tmp_path / "site"
-    site.mkdir()
-    env = {**os.environ, "REDIS_URL": REDIS_URL, "DATABASE_URL": fresh_database,
-           # this checkout's reliable_jobs, whatever the venv has installed
-           "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-    for name in ("DJANGO_SETTINGS_MODULE", "RJ_OPTIONS", "RJ_QUEUES", "RJ_PREFIX"):
-        env.pop(name, None)
+    # Given a project and an app generated by Django's own commands, with the
+    # tutorial's and the how-to pages' blocks pasted in
+    run = generated_project(tmp_path / "site", clean_env(DATABASE_URL=fresh_database),
+                            project_blocks(DOCS_PAGES))
 
-    def run(*args: str) -> str:
-        done = subprocess.run([sys.executable, *args], cwd=site, env=env, capture_output=True,
-                              text=True, timeout=COMMAND_TIMEOUT_S)
-        assert done.returncode == 0, f"{args}:\n{done.stdout}\n{done.stderr}"
-        return done.stdout
-
-    run("-m", "django", "startproject", "mysite", ".")
-    run("manage.py", "startapp", "myapp")
-
-    # And the README's snippets pasted in: settings appended, the app's files written
-    for target, snippet in snippets_by_file().items():
-        path = site / target
-        if target.endswith("settings.py"):
-            path.write_text(path.read_text() + "\n\n" + snippet)
-        else:
-            path.write_text(snippet)
-
-    # When the README's commands run, Then check and migrate pass
+    # When the tutorial's commands run, Then check and migrate pass
     run("manage.py", "check")
     run("manage.py", "migrate", "--no-input")
 
@@ -146,14 +182,18 @@ def test_snippets_run_as_pasted_in_a_generated_project(
     reported = json.loads(run("manage.py", "shell", "-c", status).strip().splitlines()[-1])
     assert reported == {"status": "SUCCESSFUL", "value": "welcome sent to ada@example.com"}
 
+    # And every block that names no file runs in the project's shell (its asserts too)
+    assert shell_blocks(DOCS_PAGES), "the how-to pages have blocks to run in a shell"
+    run_shell_blocks(run, DOCS_PAGES)
+
 
 def test_every_recoverjobs_counter_is_explained() -> None:
     # Given the counters recoverjobs prints (SweepReport's fields)
     counters = list(SweepReport.__dataclass_fields__)
     assert "orphans" in counters
 
-    # Then the README's Commands section explains each one
-    commands = section("### Commands")
+    # Then the reference's Commands page explains each one
+    commands = commands_page()
     assert [c for c in counters if f"  - `{c}`: " not in commands] == []
 
     # And so does `recoverjobs --help`

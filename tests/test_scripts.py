@@ -1878,3 +1878,21 @@ def test_ids_left_on_the_legacy_processing_list_are_moved_into_leases(broker: Br
     assert kinds == {*((job_id, "unstarted") for job_id in legacy), ("stray", "garbage")}
     assert "stray" not in in_flight(broker) and "stray" in dead(broker)
     assert sorted(queued(broker)) == sorted(legacy)
+
+
+@pytest.mark.parametrize("name", scripts.SCRIPT_NAMES)
+def test_a_script_header_builds_keys_only_from_its_prefix_slots(name: str) -> None:
+    # Given a script's header: its KEYS lines, and its prose
+    source = scripts.source(name)
+    header = re.match(r"--\[\[(.*?)\]\]", source, flags=re.DOTALL)
+    assert header
+    declared = dict(header_keys(source))
+
+    # When the prose builds a key from a slot ("KEYS[i] .. p") or names one at all
+    built = [int(index) for index in re.findall(r"KEYS\[(\d+)\]\s*\.\.", header.group(1))]
+    named = [int(index) for index in re.findall(r"KEYS\[(\d+)\]", header.group(1))]
+
+    # Then every slot it names is declared, and every slot it builds from is a prefix
+    assert [index for index in named if index not in declared] == []
+    assert [(index, declared[index]) for index in built
+            if not declared[index].endswith(" prefix")] == []

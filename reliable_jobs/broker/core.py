@@ -89,6 +89,6 @@ class BrokerCore:
     def _blocking_client(self) -> redis.Redis:
         if self._blocking is None:
             # Longer than any block we ask for, so the client never times out
-            # a healthy wait (docs/machine.md: it would retry for many seconds).
+            # a healthy wait (docs/CONTRIBUTING.md: it would retry for many seconds).
             self._blocking = connect(self.url, socket_timeout=SOCKET_TIMEOUT_S + 5.0)
         return self._blocking

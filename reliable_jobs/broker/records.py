@@ -146,7 +146,7 @@ class QueueCounts:
 
 @dataclass(frozen=True, slots=True)
 class WorkerBeat:
-    """A live worker's last heartbeat: what ``Worker._heartbeat`` wrote."""
+    """A live worker's last heartbeat: what ``LeaseKeeper.beat`` wrote."""
 
     id: str
     #: When it last beat, in ms since the epoch (the Redis server's clock).

@@ -1,7 +1,7 @@
 # Staff may change the priority of a waiting job (admin action, through the
 # broker's reprioritize.lua): a permission of its own, like retry, cancel and
-# requeue. (Numbered 0005 as the issue planned; it follows 0009, the
-# migration it depends on, so the chain has one leaf.)
+# requeue. It depends on 0008, the last migration before it, so the chain
+# has one leaf.
 
 from django.db import migrations
 

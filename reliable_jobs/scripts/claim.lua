@@ -33,7 +33,7 @@
                     always names a class that exists)
 
   Priorities: queued holds the jobs of priority 0, each other priority p
-  (-100..100) has its own list KEYS[9] .. p, listed in bands while it is not
+  (-100..100) has its own list KEYS[8] .. p, listed in bands while it is not
   empty. When bands is empty (a queue that only ever sees priority 0) the
   claim is exactly the single-list take below. Otherwise the bands are taken
   highest first, each from its right (FIFO within a priority), with band 0

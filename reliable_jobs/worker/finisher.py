@@ -8,7 +8,7 @@ it from the mirror (see scripts/recover.lua).
 
 A job cancelled while it ran is acked like a success: ack.lua (and nack.lua,
 should the outcome be a failure the worker did not know was cancelled)
-finishes it as cancelled, and the mirror records it so (mirror.py).
+finishes it as cancelled, and the mirror records it so (the ``mirror`` package).
 """
 
 from __future__ import annotations

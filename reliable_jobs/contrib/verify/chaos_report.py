@@ -209,7 +209,7 @@ class ChaosReport:
                 and self.unclean_stops == 0 and (self.ledger is None or self.ledger.clean))
 
     def table(self) -> str:
-        """A Markdown table, ready for the README."""
+        """A Markdown table, ready for the documentation."""
         c = self.config
         rerun = sorted(self.rerun_s)
 
