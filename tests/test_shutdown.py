@@ -22,6 +22,7 @@ import pytest
 import redis
 
 from reliable_jobs.compat import task_backends
+from reliable_jobs.isolation import FORKSERVER_PARENT_ENV
 from reliable_jobs.keys import QueueKeys
 from reliable_jobs.models import Attempt, AttemptOutcome, Job, JobState
 from reliable_jobs.worker import Worker
@@ -102,6 +103,10 @@ def test_past_its_grace_a_task_in_a_child_is_killed_then_handed_back(
     finally:
         if child and alive(child):
             os.kill(child, signal.SIGKILL)
+        # The worker told its forkserver its pid through the environment:
+        # a later import of _child_boot in this process would read it and
+        # take this process for a forkserver whose worker died.
+        os.environ.pop(FORKSERVER_PARENT_ENV, None)
 
 
 def test_a_worker_stopped_past_its_grace_exits_and_its_thread_task_runs_again_later(
