@@ -250,7 +250,8 @@ def test_a_graceful_stop_excuses_only_runs_cut_by_its_deadline_and_rerun_after_i
     # and exited at 12.5 s. j1 ended within the grace period; j2 was still
     # running at the deadline (no end: its thread died with the process); j3
     # ended after the deadline, too late for its outcome; j4 was cut short
-    # too, but handed back while A still ran it.
+    # too, but handed back while A still ran it; j5 ended after the deadline
+    # and ran again once it had ended (its outcome dropped), before A exited.
     ledger = read_ledger(write_ledger(tmp_path / "ledger", [
         run("j1", 1, WORKER_A, 9.0, 11.0),
         run("j1", 2, WORKER_B, 13.0, 13.1),
@@ -260,6 +261,8 @@ def test_a_graceful_stop_excuses_only_runs_cut_by_its_deadline_and_rerun_after_i
         run("j3", 2, WORKER_B, 14.5, 14.6),
         run("j4", 1, WORKER_A, 9.7, None),
         run("j4", 2, WORKER_C, 12.1, 12.2),
+        run("j5", 1, WORKER_A, 9.8, 12.1),
+        run("j5", 2, WORKER_C, 12.3, 12.4),
     ]))
     stops = {WORKER_A: GracefulStop(deadline=T0 + 12.0, exited_at=T0 + 12.5)}
 
@@ -267,10 +270,31 @@ def test_a_graceful_stop_excuses_only_runs_cut_by_its_deadline_and_rerun_after_i
     findings = analyse(ledger, deaths={}, final_states={}, ended_at=T0 + 20, stops=stops)
 
     # Then: j1 re-ran although its run ended within the grace period; j4 ran
-    # again while its first run still went on; j2 and j3 are excused
+    # again while its first run still went on; j2, j3 and j5 are excused
     assert sorted(r.job for r in findings.reruns_without_crash) == ["j1", "j4"]
     assert [(o.job, o.second.pid) for o in findings.overlaps] == [("j4", WORKER_C)]
     assert findings.open_runs == []
     lines = evidence(findings, {}, stops=stops)
     assert any("re-ran without a crash: job j1" in line and "pid stopped" in line
                for line in lines), lines
+
+
+def test_a_job_buried_after_its_last_success_died_unrecorded_is_listed_apart(
+    tmp_path: Path
+) -> None:
+    # Given: j1's last run succeeded on A, which was killed before that success
+    # reached the mirror, and the job then ran out of attempts; j2's last
+    # success did reach the mirror, yet j2 ended dead
+    ledger = read_ledger(write_ledger(tmp_path / "ledger", [
+        run("j1", 3, WORKER_A, 10.0, 10.5),
+        run("j2", 1, WORKER_A, 10.0, 10.6),
+    ]))
+
+    # When
+    findings = analyse(ledger, deaths={WORKER_A: T0 + 11.0},
+                       final_states={"j1": "dead", "j2": "dead"}, ended_at=T0 + 20,
+                       mirrored_successes={"j1": set(), "j2": {1}})
+
+    # Then: j1 is what G3 allows, listed apart; j2 contradicts the mirror
+    assert [w.job for w in findings.buried_after_lost_success] == ["j1"]
+    assert [w.job for w in findings.wrong_final] == ["j2"]

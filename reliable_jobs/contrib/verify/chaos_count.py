@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from reliable_jobs.compat import Task
-from reliable_jobs.models import Attempt, Job, JobState
+from reliable_jobs.models import Attempt, AttemptOutcome, Job, JobState
 from reliable_jobs.worker.executor import MARK_AHEAD
 
 from . import chaos_ledger
@@ -116,13 +116,17 @@ class ChaosCounting:
             FLUSH_FAULT: "off" if cfg.flush_redis_at_s is None else "not reached",
             CUT_FAULT: "off" if cfg.cut_postgres_at_s is None else "not reached",
         } | {fault.name: fault.detail for fault in self.faults}
-        self._check_ledger(report, final_states, ended_at)
+        mirrored_successes: dict[str, set[int]] = defaultdict(set)
+        for job_id, rows in attempts.items():
+            mirrored_successes[job_id] = {a.number for a in rows
+                                          if a.outcome == AttemptOutcome.SUCCEEDED}
+        self._check_ledger(report, final_states, ended_at, mirrored_successes)
         if report.lost or drain_s is None:
             report.leftovers = self._leftovers(ids, states)
         return report
 
     def _check_ledger(self, report: ChaosReport, final_states: dict[str, str],
-                      ended_at: float) -> None:
+                      ended_at: float, mirrored_successes: dict[str, set[int]]) -> None:
         """Read the execution ledger, check it, and keep the evidence next to the logs."""
         ledger = chaos_ledger.read_ledger(self.ledger_dir)
         if not ledger.runs:
@@ -134,7 +138,8 @@ class ChaosCounting:
         findings = chaos_ledger.analyse(
             ledger, deaths=self.deaths, final_states=final_states, ended_at=ended_at,
             redis_losses=[fault.wall for fault in self.faults if fault.name == FLUSH_FAULT],
-            start_lag_s=max(1.0, 2 * MARK_AHEAD * self.config.task_ms / 1000), stops=stops)
+            start_lag_s=max(1.0, 2 * MARK_AHEAD * self.config.task_ms / 1000), stops=stops,
+            mirrored_successes=mirrored_successes)
         report.ledger = findings
         deadlines = {stop.pid: stop.deadline for stop in self.stops if stop.exited_at}
         report.cut_by_stop = sum(

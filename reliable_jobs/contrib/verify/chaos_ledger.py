@@ -183,6 +183,10 @@ class Findings:
     #: Runs with no end whose process the run never saw die (a worker can
     #: only stop mid-body by dying): each is held open to the end of the run.
     open_runs: list[Run] = field(default_factory=list)
+    #: Jobs that ended dead although their last completed run succeeded,
+    #: because that success never reached the mirror (its process crashed
+    #: first) and the job then ran out of attempts: what G3 allows.
+    buried_after_lost_success: list[WrongFinal] = field(default_factory=list)
     unreadable: int = 0
 
     @property
@@ -218,7 +222,8 @@ class GracefulStop:
 def analyse(ledger: Ledger | Iterable[Run], *, deaths: Mapping[int, float],
             final_states: Mapping[str, str], ended_at: float,
             redis_losses: Iterable[float] = (), start_lag_s: float = 1.0,
-            stops: Mapping[int, GracefulStop] | None = None) -> Findings:
+            stops: Mapping[int, GracefulStop] | None = None,
+            mirrored_successes: Mapping[str, set[int]] | None = None) -> Findings:
     """Check the ledger against the process deaths the run caused and the final states.
 
     ``deaths`` maps the pid of every worker process that died during the run
@@ -251,6 +256,12 @@ def analyse(ledger: Ledger | Iterable[Run], *, deaths: Mapping[int, float],
       exited: the job is left to its lease, never handed back while the
       process may still run it. A run with no end in such a process lasts
       until the process exited.
+    - ``mirrored_successes`` (job -> the attempts the mirror recorded as
+      succeeded), when given: a job that ended dead although its last
+      completed run succeeded is no wrong final state if that success never
+      reached the mirror and its process crashed (or was stopped past its
+      deadline) after the run ended: the success died with the process, the
+      job ran out of attempts. It is listed apart.
     """
     stops = stops or {}
     losses = sorted(redis_losses)
@@ -286,7 +297,7 @@ def analyse(ledger: Ledger | Iterable[Run], *, deaths: Mapping[int, float],
                 continue
             stop = stops.get(previous.pid)
             if (stop is not None and (previous.end is None or previous.end > stop.deadline)
-                    and previous.start <= stop.exited_at <= run.start):
+                    and until(previous) <= run.start):
                 continue
             findings.reruns_without_crash.append(RerunWithoutCrash(job, previous, run))
     for job, state in final_states.items():
@@ -295,9 +306,26 @@ def analyse(ledger: Ledger | Iterable[Run], *, deaths: Mapping[int, float],
         completed = [run for run in by_job.get(job, ()) if run.end is not None]
         last = max(completed, key=lambda r: (r.end or 0.0, r.start), default=None)
         expected = expected_state(last)
-        if state != expected:
-            findings.wrong_final.append(WrongFinal(job, state, expected, last))
+        if state == expected:
+            continue
+        wrong = WrongFinal(job, state, expected, last)
+        if last is not None and mirrored_successes is not None and state == "dead" \
+                and last.attempt not in mirrored_successes.get(job, ()) \
+                and lost_with_its_process(last, deaths, stops):
+            findings.buried_after_lost_success.append(wrong)
+        else:
+            findings.wrong_final.append(wrong)
     return findings
+
+
+def lost_with_its_process(run: Run, deaths: Mapping[int, float],
+                          stops: Mapping[int, GracefulStop]) -> bool:
+    """Whether ``run``'s process ended, by a crash or past a stop's deadline, after it ran."""
+    died = deaths.get(run.pid)
+    if died is not None:
+        return run.end is not None and died >= run.end
+    stop = stops.get(run.pid)
+    return stop is not None and run.end is not None and run.end > stop.deadline
 
 
 def clock(t: float | None) -> str:
@@ -336,6 +364,10 @@ def evidence(findings: Findings, deaths: Mapping[int, float], *, limit: int = 20
         lines.append(f"re-ran without a crash: job {rerun.job}: "
                      f"{describe_run(rerun.previous, deaths, stops)} then "
                      f"{describe_run(rerun.run, deaths, stops)}")
+    for wrong in findings.buried_after_lost_success[:limit]:
+        lines.append(f"dead after its last success died unrecorded with its process "
+                     f"(allowed): job {wrong.job}: "
+                     + (describe_run(wrong.last, deaths, stops) if wrong.last else "-"))
     for run in findings.open_runs[:limit]:
         lines.append(f"run with no end in a process never seen dying: job {run.job}: "
                      f"{describe_run(run, deaths, stops)}")

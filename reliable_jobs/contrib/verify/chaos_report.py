@@ -237,6 +237,8 @@ class ChaosReport:
              ledger_count(len(ledger.wrong_final) if ledger else 0)),
             ("**re-ran without a crash (must be 0)**",
              ledger_count(ledger.rerun_jobs if ledger else 0)),
+            ("dead after its last success died unrecorded with its process",
+             "-" if ledger is None else f"{len(ledger.buried_after_lost_success):,}"),
             ("claimed more than once (attempts > 1)", f"{self.claimed_again:,}"),
             ("run more than once (2+ started attempts)", f"{self.ran_again:,}"),
             ("most claims of one job (attempts)", f"{self.max_attempts_seen}"),
