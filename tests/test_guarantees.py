@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import redis
-from django.db import close_old_connections, connection, transaction
+from django.db import OperationalError, close_old_connections, connection, transaction
 from django.utils import timezone
 
 from reliable_jobs import mirror
@@ -506,13 +506,15 @@ def test_a_worker_frozen_inside_its_mirror_transaction_never_stalls_the_others(
 def test_a_hard_stop_never_hands_back_a_job_whose_success_is_being_committed(
     rj_settings: Any, redis_client: redis.Redis
 ) -> None:
-    # Given: a worker whose finisher is committing a job's success (the real
-    # finisher; its mirror write held open until the worker has stopped)
+    # Given: a worker whose finisher is committing one job's success (the real
+    # finisher; its mirror write held open until the worker has stopped), a
+    # second job's success waiting behind it
     rj_settings()
-    result = demo.add.enqueue(1, 2)
+    results = [demo.add.enqueue(i, 0) for i in range(2)]
     worker = Worker(task_backends["default"], queues=["default"], scheduler=False)
-    write_mirror = worker.finisher._write_mirror
-    committing, commit = threading.Event(), threading.Event()
+    write_mirror, submit = worker.finisher._write_mirror, worker.finisher.submit
+    committing, commit, second = threading.Event(), threading.Event(), threading.Event()
+    outcomes: list[str] = []
 
     def slow_commit(batch: list[FinishedAttempt]) -> bool:
         if any(outcome.job is not None for outcome in batch):
@@ -520,10 +522,20 @@ def test_a_hard_stop_never_hands_back_a_job_whose_success_is_being_committed(
             commit.wait(timeout=20)
         return write_mirror(batch)
 
+    def submit_in_turn(outcome: FinishedAttempt) -> None:
+        submit(outcome)
+        if outcome.job is not None:
+            outcomes.append(outcome.job.id)
+            if len(outcomes) == 1:  # the next job runs once this one is being committed
+                committing.wait(timeout=20)
+            else:
+                second.set()
+
     worker.finisher._write_mirror = slow_commit  # type: ignore[method-assign]
+    worker.finisher.submit = submit_in_turn  # type: ignore[method-assign]
     with worker_in_thread(worker) as thread:
         try:
-            assert committing.wait(timeout=20), "the success to reach the finisher"
+            assert second.wait(timeout=20), "both successes to reach the finisher"
 
             # When: the worker is stopped hard (a second signal) mid-commit
             worker._on_signal(signal.SIGTERM, None)
@@ -531,16 +543,61 @@ def test_a_hard_stop_never_hands_back_a_job_whose_success_is_being_committed(
             thread.join(timeout=20)
             assert not thread.is_alive()
 
-            # Then: the job was not handed back while its success was on its way
+            # Then: neither job was handed back while its success was on its way
             assert redis_client.lrange(KEYS.queued, 0, -1) == []
-            assert redis_client.hget(KEYS.job(result.id), "state") == "running"
+            assert [redis_client.hget(KEYS.job(r.id), "state") for r in results] == [
+                "running", "running"]
         finally:
             commit.set()
 
-    # And: the commit lands; whatever happens to the ack, the job succeeded
+    # And: the commits land; whatever happens to the acks, each job succeeded
     # once and never runs again (the sweep settles it from the mirror)
-    wait_until(lambda: Job.objects.get(pk=result.id).state == JobState.SUCCEEDED,
-               message="the success to be committed")
+    wait_until(lambda: Job.objects.filter(state=JobState.SUCCEEDED).count() == 2,
+               message="both successes to be committed")
+    drain_here()
+    for r in results:
+        assert list(Attempt.objects.filter(job_id=r.id).values_list("outcome", flat=True)
+                    ) == [AttemptOutcome.SUCCEEDED]
+        assert Job.objects.get(pk=r.id).attempts == 1
+    assert redis_client.lrange(KEYS.queued, 0, -1) == []
+
+
+def test_a_hard_stop_never_hands_back_a_job_whose_commit_may_have_landed(
+    rj_settings: Any, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given: a worker whose finisher committed a job's success but lost the
+    # commit's reply (the connection dropped), and whose retries then fail
+    rj_settings()
+    result = demo.add.enqueue(1, 2)
+    worker = Worker(task_backends["default"], queues=["default"], scheduler=False)
+    record = mirror.record
+    landed = threading.Event()
+
+    def commit_then_lose_the_reply(database: str, records: list[AttemptRecord]) -> None:
+        if any(r.job_id == result.id and r.outcome == AttemptOutcome.SUCCEEDED
+               for r in records):
+            if not landed.is_set():
+                record(database, records)
+                landed.set()
+            raise OperationalError("server closed the connection unexpectedly")
+        record(database, records)
+
+    monkeypatch.setattr(mirror, "record", commit_then_lose_the_reply)
+    with worker_in_thread(worker) as thread:
+        assert landed.wait(timeout=20), "the success to be committed"
+
+        # When: the worker is stopped hard while its finisher retries; the
+        # finisher's thread ends
+        worker._on_signal(signal.SIGTERM, None)
+        worker._on_signal(signal.SIGTERM, None)
+        thread.join(timeout=20)
+        assert not thread.is_alive()
+
+        # Then: the job was not handed back: its success may have landed (it did)
+        assert redis_client.lrange(KEYS.queued, 0, -1) == []
+    monkeypatch.undo()
+
+    # And: the sweep settles it from the mirror; it never runs again
     drain_here()
     assert list(Attempt.objects.filter(job_id=result.id).values_list("outcome", flat=True)
                 ) == [AttemptOutcome.SUCCEEDED]

@@ -124,6 +124,10 @@ class Worker:
         self.stats = WorkerStats()
         #: True when a worker thread died of an unexpected error (exit non-zero).
         self.crashed = False
+        #: Tasks still running in executor threads when run() returned: their
+        #: jobs are left to their leases, so the process must end now (see
+        #: runworker), not after an interpreter teardown a lease may not outlive.
+        self.left_running = 0
         self._claimed_total = 0
         #: Burst runs: the queue _burst_done last found with work, checked first.
         self._burst_busy: str | None = None
@@ -214,6 +218,9 @@ class Worker:
             self._shutdown(executors, finisher)
             self.lease_keeper.stop()
             keeper.join(timeout=2.0)
+            # A last renewal: what is left to its lease gets a whole lease
+            # from now, the moment this process is about to end.
+            self.lease_keeper.renew()
             maintenance.join(timeout=2.0)
             if scheduling is not None:
                 scheduling.join(timeout=2.0)
@@ -260,8 +267,8 @@ class Worker:
         still runs it, or after its success landed. Both are left to their
         leases: renewed until this returns, then, the process gone, expired,
         and the sweep settles each from the mirror or runs it again. Once
-        the finisher's thread has ended, an outcome it did not mirror never
-        will be: that job (its task over) is handed back at once.
+        the finisher's thread has ended, an outcome it never began to write
+        never will be: that job (its task over) is handed back at once.
         """
         self._stopping.set()
         self._release([(job, False) for job in self._buffer.close()])
@@ -283,6 +290,7 @@ class Worker:
         if releasable:
             self._release(releasable)
         running, unapplied = self.in_hand.left_running()
+        self.left_running = running
         if running or unapplied:
             logger.warning(
                 "Stopping with %d job(s) still running in a thread and %d whose outcome is not "

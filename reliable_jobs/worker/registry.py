@@ -36,6 +36,10 @@ class Held:
     lost: bool = False
     #: Its task ran; its outcome is with the finisher, on its way to the ack.
     done: bool = False
+    #: The finisher began writing its outcome to the mirror: from then on the
+    #: outcome may be committed, even if the write then failed (a commit
+    #: whose reply was lost), so the job is never handed back.
+    writing: bool = False
     #: Its outcome is in the mirror: a refused renewal no longer means lost.
     mirrored: bool = False
     #: Its task runs in a child process (a time limit), which a stop can kill.
@@ -125,6 +129,14 @@ class InHand:
         with self._lock:
             return len(self._held) - self._done, self._done
 
+    def writing(self, jobs: Iterable[ClaimedJob]) -> None:
+        """Note that the finisher begins writing the outcomes of ``jobs`` (see Held.writing)."""
+        with self._lock:
+            for job in jobs:
+                held = self._held.get(held_key(job))
+                if held is not None:
+                    held.writing = True
+
     def mirrored(self, jobs: Iterable[ClaimedJob]) -> None:
         with self._lock:
             for job in jobs:
@@ -165,15 +177,17 @@ class InHand:
 
         Those are the jobs whose task never began, and, once the finisher's
         thread has ended (``finisher_ended``), those whose task ran but
-        whose outcome did not reach the mirror: no commit of it can land any
+        whose outcome it never began to write: no commit of it can land any
         more. Any other job is unsafe to hand back while this process
         lives: its task may still run in a thread, or its outcome be inside
-        a commit that lands after the release (and the job would run
-        again). Those are left to their leases (see Worker._shutdown).
+        (or have been in) a commit that lands, or landed, unknown to this
+        worker, and the job would run again. Those are left to their
+        leases (see Worker._shutdown): the sweep settles each from the
+        mirror, or runs it again if its outcome is not there.
         """
         with self._lock:
             taken = [held for held in self._held.values() if not held.started
-                     or (finisher_ended and held.done and not held.mirrored)]
+                     or (finisher_ended and held.done and not held.writing)]
             for held in taken:
                 held.lost = True  # begin() refuses it now
             return [(held.job, held.started) for held in taken]
