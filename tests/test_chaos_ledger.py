@@ -298,3 +298,23 @@ def test_a_job_buried_after_its_last_success_died_unrecorded_is_listed_apart(
     # Then: j1 is what G3 allows, listed apart; j2 contradicts the mirror
     assert [w.job for w in findings.buried_after_lost_success] == ["j1"]
     assert [w.job for w in findings.wrong_final] == ["j2"]
+
+
+def test_a_hard_stop_is_a_crash_from_its_second_sigterm(tmp_path: Path) -> None:
+    # Given: A got its second SIGTERM at 12.0 s and was seen dead at 14.0 s;
+    # j1's run on A had ended before (its outcome not committed), j2's had
+    # not; both ran again on B at 13.0 s, before A was seen dead
+    ledger = read_ledger(write_ledger(tmp_path / "ledger", [
+        run("j1", 1, WORKER_A, 10.0, 10.5),
+        run("j1", 2, WORKER_B, 13.0, 13.1),
+        run("j2", 1, WORKER_A, 10.0, None),
+        run("j2", 2, WORKER_B, 13.0, 13.1),
+    ]))
+
+    # When
+    findings = analyse(ledger, deaths={WORKER_A: T0 + 14.0}, final_states={},
+                       ended_at=T0 + 20, crashed_at={WORKER_A: T0 + 12.0})
+
+    # Then: both re-runs follow the crash; j2's still overlaps its cut-short run
+    assert findings.reruns_without_crash == []
+    assert [o.job for o in findings.overlaps] == ["j2"]

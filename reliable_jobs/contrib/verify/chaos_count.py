@@ -139,7 +139,9 @@ class ChaosCounting:
             ledger, deaths=self.deaths, final_states=final_states, ended_at=ended_at,
             redis_losses=[fault.wall for fault in self.faults if fault.name == FLUSH_FAULT],
             start_lag_s=max(1.0, 2 * MARK_AHEAD * self.config.task_ms / 1000), stops=stops,
-            mirrored_successes=mirrored_successes)
+            mirrored_successes=mirrored_successes,
+            crashed_at={stop.pid: stop.deadline for stop in self.stops
+                        if stop.second_sent and stop.pid in self.deaths})
         report.ledger = findings
         deadlines = {stop.pid: stop.deadline for stop in self.stops if stop.exited_at}
         report.cut_by_stop = sum(

@@ -223,7 +223,8 @@ def analyse(ledger: Ledger | Iterable[Run], *, deaths: Mapping[int, float],
             final_states: Mapping[str, str], ended_at: float,
             redis_losses: Iterable[float] = (), start_lag_s: float = 1.0,
             stops: Mapping[int, GracefulStop] | None = None,
-            mirrored_successes: Mapping[str, set[int]] | None = None) -> Findings:
+            mirrored_successes: Mapping[str, set[int]] | None = None,
+            crashed_at: Mapping[int, float] | None = None) -> Findings:
     """Check the ledger against the process deaths the run caused and the final states.
 
     ``deaths`` maps the pid of every worker process that died during the run
@@ -256,6 +257,10 @@ def analyse(ledger: Ledger | Iterable[Run], *, deaths: Mapping[int, float],
       exited: the job is left to its lease, never handed back while the
       process may still run it. A run with no end in such a process lasts
       until the process exited.
+    - ``crashed_at``: for a process in ``deaths`` whose crash began before
+      it died (a second SIGTERM: the worker drops what it has not
+      committed at once, then exits), when it began. A re-run is excused
+      from then on; its runs still last until the death.
     - ``mirrored_successes`` (job -> the attempts the mirror recorded as
       succeeded), when given: a job that ended dead although its last
       completed run succeeded is no wrong final state if that success never
@@ -264,6 +269,7 @@ def analyse(ledger: Ledger | Iterable[Run], *, deaths: Mapping[int, float],
       job ran out of attempts. It is listed apart.
     """
     stops = stops or {}
+    crashed_at = crashed_at or {}
     losses = sorted(redis_losses)
     runs = list(ledger.runs if isinstance(ledger, Ledger) else ledger)
     findings = Findings(runs=len(runs),
@@ -291,7 +297,8 @@ def analyse(ledger: Ledger | Iterable[Run], *, deaths: Mapping[int, float],
             if previous.outcome == FAILED:
                 continue
             died = deaths.get(previous.pid)
-            if died is not None and previous.start <= died <= run.start:
+            if died is not None and previous.start <= min(
+                    died, crashed_at.get(previous.pid, died)) <= run.start:
                 continue
             if any(previous.start - start_lag_s <= lost <= run.start for lost in losses):
                 continue
