@@ -58,6 +58,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("reliable_jobs")
 
+#: A job hash's state (see the scripts) as the mirror's JobState value; a
+#: 'finished' tombstone is a rebuilt job that succeeded.
+REDIS_TO_JOB_STATE = {"queued": "queued", "scheduled": "scheduled", "running": "running",
+                      "dead": "dead", "finished": "succeeded", "cancelled": "cancelled"}
+
 #: The status of a job just enqueued, queued or scheduled (``models.TASK_STATUS``).
 NEW_JOB_STATUS = TaskResultStatus.READY
 
@@ -288,7 +293,8 @@ class ReliableJobsBackend(BaseTaskBackend):
         # and the push follows the rows' commit.
         holders = mirror.insert_unique_jobs(
             self.database, [job for job, _ in made], window_ms=task.unique_for_ms or 0,
-            while_running=task.unique_while_running, now=now)
+            while_running=task.unique_while_running, now=now,
+            states_in_redis=self._states_in_redis)
         by_shard: dict[str, list[NewJob]] = defaultdict(list)
         for (job, new_job), holder in zip(made, holders, strict=True):
             if holder is job:
@@ -302,6 +308,28 @@ class ReliableJobsBackend(BaseTaskBackend):
                 if holder is job:
                     task_enqueued.send(type(self), task_result=results[holder.pk])
         return [results[holder.pk] for holder in holders]
+
+    def _states_in_redis(self, rows: Sequence[Job]) -> dict[str, str]:
+        """Each job's state as Redis has it (a JobState value), by id: ahead of its row.
+
+        A claimed job whose task has not begun is still queued: it runs after
+        the call that asks. Jobs Redis does not hold are left out, and so
+        is every job when Redis cannot answer: the rows decide then.
+        """
+        try:
+            progress = self.broker.progress([(row.physical_queue, str(row.pk)) for row in rows])
+        except REDIS_ERRORS as exc:
+            logger.warning("Redis did not say whether %d unique job(s) started (%s); their "
+                           "database rows decide.", len(rows), exc)
+            return {}
+        states = {}
+        for job_id, held in progress.items():
+            state = REDIS_TO_JOB_STATE.get(held.state)
+            if state == "running" and not held.started:
+                state = "queued"
+            if state is not None:
+                states[job_id] = state
+        return states
 
     def _push_on_commit(self, by_shard: dict[str, list[NewJob]]) -> None:
         """Push jobs (by physical queue) once the transaction commits, 1,000 per script call."""

@@ -19,6 +19,9 @@ id. Ids:
 - E015 a unique task (``unique_for_ms``) whose backend's database has no
   partial unique indexes (MySQL, MariaDB, Oracle): equal calls would not be
   deduplicated.
+- E016 the job mirror on SQLite without ``transaction_mode`` "IMMEDIATE"
+  (or "EXCLUSIVE"): row locks do nothing there, so the mirror's writers
+  must take the database's write lock when their transaction begins.
 - W001 Redis does not answer (a warning: it may start after the web app).
 - W003 Redis may evict keys (maxmemory-policy is not noeviction); a
   deployment check (``check --deploy``).
@@ -104,6 +107,7 @@ def check_backend(backend: ReliableJobsBackend) -> list[checks.CheckMessage]:
         ))
     if backend.config.DATABASE in settings.DATABASES:  # else E008 said so
         messages += _check_unique_tasks(where, backend)
+        messages += _check_sqlite_transactions(where, backend.config.DATABASE)
     if not any(m.id == "reliable_jobs.E002" for m in messages):
         messages += _check_reachable(where, backend.config.REDIS_URL)
     return messages
@@ -179,6 +183,41 @@ def _check_unique_tasks(where: str, backend: ReliableJobsBackend) -> list[checks
         f"{where}: {problem}",
         hint=f"Unique tasks: {', '.join(unique)}.",
         id="reliable_jobs.E015",
+    )]
+
+
+#: SQLite transaction modes that take the write lock at BEGIN.
+LOCKING_SQLITE_MODES = frozenset({"IMMEDIATE", "EXCLUSIVE"})
+
+
+def _check_sqlite_transactions(where: str, alias: str) -> list[checks.CheckMessage]:
+    """E016 when the mirror is SQLite and its transactions do not lock at BEGIN.
+
+    SQLite has no row locks: ``select_for_update()`` does nothing there.
+    The mirror's writers (a worker's batch, the sweep, a staff action) read
+    a row, act, then write it, and rely on no other writer committing in
+    between. Under Django's default ``BEGIN`` (DEFERRED) a worker's late
+    success commits between the sweep's read and its write, after the sweep
+    acted in Redis on what it read; ``BEGIN IMMEDIATE`` makes the writers
+    take turns, as the row locks make them on PostgreSQL.
+    """
+    from django.db import connections
+
+    connection = connections[alias]
+    if connection.vendor != "sqlite":
+        return []
+    mode = (connection.settings_dict.get("OPTIONS") or {}).get("transaction_mode")
+    if isinstance(mode, str) and mode.upper() in LOCKING_SQLITE_MODES:
+        return []
+    said = f"transaction_mode {mode!r}" if mode else "Django's default transaction mode"
+    return [checks.Error(
+        f"{where}: the job mirror's database {alias!r} is SQLite with {said} (BEGIN "
+        "DEFERRED), where select_for_update() locks nothing, so a worker's late success "
+        "can slip between the recovery sweep's read of a job and its write.",
+        hint=f"Take the write lock when each transaction begins: "
+             f"DATABASES[{alias!r}]['OPTIONS']['transaction_mode'] = 'IMMEDIATE' "
+             "(with a 'timeout' of some seconds, so writers wait for each other).",
+        id="reliable_jobs.E016",
     )]
 
 

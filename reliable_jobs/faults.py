@@ -32,7 +32,8 @@ POINTS = (
     "sweep_after_recover",  # the sweep recovered leases, mirror not yet written
     "sweep_after_promote",  # the sweep promoted, reconcile not yet run
     "finisher_bug",    # the finisher thread raises (a bug), see raise_point()
-    "reconcile_after_push",  # reconcile pushed rebuilt jobs, its transaction not committed
+    "reconcile_before_push",  # reconcile committed the rows' new generations, pushed nothing
+    "reconcile_after_push",  # reconcile committed, then pushed the rebuilt jobs
     "in_mirror_transaction",  # attempts written, jobs not yet, transaction open (stop_point)
     "scheduler_decided",  # a schedule's due slots decided under its row lock, none enqueued yet
 )

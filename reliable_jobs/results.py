@@ -33,6 +33,21 @@ def task_result(task: Task[..., Any], *, job_id: str, status: TaskResultStatus,
     )
 
 
+def finish_failed(result: TaskResult[..., Any], *, exception_class_path: str, traceback: str,
+                  finished_at: datetime | None) -> None:
+    """Finish an attempt's ``result`` as failed, its error included, before ``task_finished``.
+
+    As Django's ImmediateBackend does: the attempt's ``TaskError`` is added
+    first, so a receiver never sees a failed result with no error. The
+    class path and traceback are those the mirror stores for the attempt
+    (an empty traceback is given as the attempt's error text by the caller).
+    """
+    result.errors.append(TaskError(exception_class_path=exception_class_path,
+                                   traceback=traceback))
+    object.__setattr__(result, "status", TaskResultStatus.FAILED)
+    object.__setattr__(result, "finished_at", finished_at)
+
+
 #: The fields :class:`ResultStamp` gives each result its own value of.
 _PER_JOB = frozenset({"id", "args", "kwargs", "errors", "worker_ids"})
 _new = object.__new__

@@ -9,7 +9,11 @@ admin message can show as it is.
 
 The row lock orders the action before any worker write about the attempt it
 lets run. If Redis acted but the commit then fails, the job still runs and
-the worker's own mirror writes bring the row up to date.
+the worker's own mirror writes bring the row up to date. A rebuild (a retry
+of a job Redis no longer holds, a requeue of a cancelled job) is the one
+exception to that order: a new generation is pushed only after the row
+holding it has committed (see sweep.push_rebuilt), or the mirror would
+refuse every record of the job Redis runs.
 """
 
 from __future__ import annotations
@@ -21,9 +25,9 @@ from django.db import transaction
 from django.utils import timezone
 
 from . import mirror
-from .broker import NewJob
+from .broker import REDIS_ERRORS, NewJob
 from .models import Job, JobState
-from .sweep import rebuilt_job
+from .sweep import TOMBSTONES, push_rebuilt, rebuilt_job
 from .tasks import discover, lookup
 
 if TYPE_CHECKING:
@@ -55,6 +59,7 @@ def retry(backend: ReliableJobsBackend, job_id: Any) -> StaffResult:
     row, as reconcile rebuilds lost jobs.
     """
     database = backend.config.DATABASE
+    rebuild: NewJob | None = None
     with transaction.atomic(using=database):
         job = mirror.lock_job(database, job_id)
         if job is None:
@@ -68,9 +73,7 @@ def retry(backend: ReliableJobsBackend, job_id: Any) -> StaffResult:
         if held is None:
             mirror.next_generation(database, [job])
             attempts = job.attempts
-            if not backend.broker.enqueue(job.physical_queue,
-                                          [_rebuilt(job, max_attempts=attempts + extra)]):
-                return _redis_moved(jid, "retried")
+            rebuild = _rebuilt(job, max_attempts=attempts + extra)
         elif held["state"] == JobState.DEAD:
             attempts = max(job.attempts, int(held["attempts"]))
             if not backend.broker.revive(job.physical_queue, jid, extra_attempts=extra):
@@ -79,6 +82,8 @@ def retry(backend: ReliableJobsBackend, job_id: Any) -> StaffResult:
             return StaffResult(jid, False, f"Job {jid} is dead in the database but "
                            f"{held['state']} in Redis, which is ahead: it was not retried.")
         mirror.mark_queued_again(database, job, max_attempts=attempts + extra)
+    if rebuild is not None and (refused := _push(backend, job, rebuild, "retried")):
+        return refused
     return StaffResult(jid, True, f"Job {jid} is queued again with {extra} more "
                    f"attempt{'s' if extra != 1 else ''} (attempts {attempts + 1} to "
                    f"{attempts + extra}).")
@@ -132,6 +137,7 @@ def requeue(backend: ReliableJobsBackend, job_id: Any) -> StaffResult:
     nothing.
     """
     database = backend.config.DATABASE
+    rebuild: NewJob | None = None
     with transaction.atomic(using=database):
         job = mirror.lock_job(database, job_id)
         if job is None:
@@ -139,27 +145,36 @@ def requeue(backend: ReliableJobsBackend, job_id: Any) -> StaffResult:
         jid = str(job.pk)
         future = job.run_after is not None and job.run_after > timezone.now()
         if job.state == JobState.CANCELLED:
+            held = backend.broker.held_states(job.physical_queue, [jid]).get(jid)
+            if held is not None and held["state"] not in TOMBSTONES:
+                # Cancelled while running, and its worker has not stopped it yet.
+                return StaffResult(jid, False, f"Job {jid} is cancelled but still "
+                               f"{held['state']} in Redis: it was not requeued; try again "
+                               "once it has stopped.")
             mirror.next_generation(database, [job])
             budget = (job.max_attempts if job.max_attempts > job.attempts
                       else job.attempts + fresh_budget(backend, job))
-            if not backend.broker.enqueue(job.physical_queue, [_rebuilt(job, max_attempts=budget)]):
-                return _redis_moved(jid, "requeued")
+            rebuild = _rebuilt(job, max_attempts=budget)
             mirror.mark_queued_again(database, job, max_attempts=budget, clear_run_after=future)
-            return StaffResult(jid, True, f"Job {jid} was cancelled and is queued again "
-                           f"({budget - job.attempts} attempts left).")
-        if job.state == JobState.DEAD:
+        elif job.state == JobState.DEAD:
             return StaffResult(jid, False, f"Job {jid} is dead: use the retry action, which "
                            "gives it a fresh attempt budget.")
-        if job.state == JobState.SUCCEEDED:
+        elif job.state == JobState.SUCCEEDED:
             return StaffResult(jid, False, f"Job {jid} succeeded: it was not requeued.")
-        moved, found = backend.broker.requeue(job.physical_queue, jid)
-        if not moved:
-            shown = found or "not in Redis yet"
-            return StaffResult(jid, False, f"Job {jid} is {shown}, not scheduled: only a waiting "
-                           "job can be run now; it was not requeued.")
-        mirror.mark_queued_again(database, job, max_attempts=job.max_attempts,
-                                 clear_run_after=future)
-    return StaffResult(jid, True, f"Job {jid} was scheduled and is queued now.")
+        else:
+            moved, found = backend.broker.requeue(job.physical_queue, jid)
+            if not moved:
+                shown = found or "not in Redis yet"
+                return StaffResult(jid, False, f"Job {jid} is {shown}, not scheduled: only a "
+                               "waiting job can be run now; it was not requeued.")
+            mirror.mark_queued_again(database, job, max_attempts=job.max_attempts,
+                                     clear_run_after=future)
+    if rebuild is None:
+        return StaffResult(jid, True, f"Job {jid} was scheduled and is queued now.")
+    if refused := _push(backend, job, rebuild, "requeued"):
+        return refused
+    return StaffResult(jid, True, f"Job {jid} was cancelled and is queued again "
+                   f"({rebuild.max_attempts - job.attempts} attempts left).")
 
 
 def reprioritize(backend: ReliableJobsBackend, job_id: Any, priority: int) -> StaffResult:
@@ -213,6 +228,24 @@ def fresh_budget(backend: ReliableJobsBackend, job: Job) -> int:
 def _rebuilt(job: Job, *, max_attempts: int) -> NewJob:
     """The Redis job for a row, due now, attempts kept (see sweep.rebuilt_job)."""
     return rebuilt_job(job, max_attempts=max_attempts, max_bytes=REBUILD_MAX_BYTES)
+
+
+def _push(backend: ReliableJobsBackend, job: Job, rebuild: NewJob, verb: str
+          ) -> StaffResult | None:
+    """Push a rebuild whose row is committed; None when Redis took it, else why not.
+
+    A push that Redis cannot take leaves the row queued with its new
+    generation and no Redis job: reconcile pushes it after the grace.
+    """
+    jid = str(job.pk)
+    try:
+        taken = push_rebuilt(backend.broker, backend.config.DATABASE, job.physical_queue,
+                             [rebuild])
+    except REDIS_ERRORS as exc:
+        return StaffResult(jid, True, f"Job {jid} was {verb} in the database, but Redis did not "
+                       f"take it ({exc}): the recovery sweep pushes it within "
+                       f"{backend.config.RECONCILE_GRACE_MS // 1000} s.")
+    return None if taken == [True] else _redis_moved(jid, verb)
 
 
 def _gone(job_id: Any) -> StaffResult:

@@ -22,7 +22,17 @@ from django.db import DatabaseError, InterfaceError, connections, transaction
 from django.utils import timezone
 
 from . import mirror, payload, telemetry
-from .broker import REDIS_ERRORS, Fence, NewJob, RecoverResult, Settlement, epoch_ms
+from .broker import (
+    REDIS_ERRORS,
+    SCRIPT_ERRORS,
+    TOMBSTONE_MS,
+    Broker,
+    Fence,
+    NewJob,
+    RecoverResult,
+    Settlement,
+    epoch_ms,
+)
 from .exceptions import LeaseExpired, class_path
 from .faults import crash_point
 from .mirror import AttemptRecord
@@ -37,7 +47,18 @@ logger = logging.getLogger("reliable_jobs.sweep")
 RECONCILE_BATCH = 500
 #: Redis states that mark a job as done with (see ack.lua and cancel.lua).
 TOMBSTONES = ("finished", "cancelled")
+#: States of a job Redis may still run: a cancel the row holds and Redis
+#: lost is applied again to these (see Sweep.recancel).
+CANCELLABLE = ("queued", "scheduled", "running")
+#: How far back reconcile looks for cancels Redis may have lost, in ms: as
+#: long as the tombstone a cancel leaves (TOMBSTONE_MS).
+RECANCEL_MS = TOMBSTONE_MS
 LEASE_EXPIRED = class_path(LeaseExpired)
+#: What one queue's damaged Redis data can raise (a script error, a reply
+#: that does not parse): the sweep logs it and goes on with the other
+#: queues. An outage (a lost connection, the database down) propagates: the
+#: next pass retries everything.
+QUEUE_ERRORS: tuple[type[Exception], ...] = (*SCRIPT_ERRORS, ValueError, TypeError)
 
 
 @dataclass
@@ -54,6 +75,8 @@ class SweepReport:
     checked: int = 0
     pushed: int = 0
     buried: int = 0
+    recancelled: int = 0
+    purged: int = 0
 
     def add(self, other: SweepReport) -> None:
         for f in fields(self):
@@ -79,6 +102,36 @@ def rebuilt_job(row: Job, *, max_attempts: int, due_ms: int = 0,
                   gen=row.generation, priority=row.priority)
 
 
+def push_rebuilt(broker: Broker, database: str, queue: str, jobs: list[NewJob], *,
+                 register: bool = False) -> list[bool]:
+    """Push rebuilt jobs whose rows already hold their new generation; say which Redis took.
+
+    Every rebuild (reconcile, a staff retry or requeue) commits the row's
+    new generation first and pushes after, as enqueue pushes after its
+    commit: a push never outruns a row that could still roll back (the
+    database would then refuse every record of the job it pushed). A crash
+    between the two leaves a row with no Redis job, which reconcile
+    rebuilds once the grace has passed (the commit freshened the row).
+
+    A push Redis refuses found the job there already. Of the same or a
+    newer generation: another rebuild since, which the row holds too. Of an
+    older one, claimed or dead (a waiting one is taken over, see
+    enqueue.lua): a late push that landed after the look; that incarnation
+    is the job, so the row goes back to its generation and the holder's
+    records land (mirror.follow_held_generation).
+    """
+    written = broker.enqueue_each(queue, jobs, register=register)
+    refused = [job for job, taken in zip(jobs, written, strict=True) if not taken]
+    if refused:
+        found = broker.held_states(queue, [job.id for job in refused])
+        for job in refused:
+            held = found.get(job.id)
+            if held is not None and held["state"] not in TOMBSTONES and held["gen"].isdigit():
+                mirror.follow_held_generation(database, job.id, committed=job.gen,
+                                              held=int(held["gen"]))
+    return written
+
+
 class Sweep:
     """One backend's sweep over a set of queues; keeps reconcile's cursor."""
 
@@ -87,6 +140,8 @@ class Sweep:
         #: Queue names as configured; each pass covers all their shards.
         self.queues = sorted(queues or backend.queues)
         self._cursor: str | None = None
+        #: Per shard, the rank in its dead set where the orphan walk goes on.
+        self._dead_cursor: dict[str, int] = {}
 
     def physical_queues(self) -> list[str]:
         """Every shard of the swept queues, read afresh (SHARDS may have changed)."""
@@ -102,24 +157,32 @@ class Sweep:
         refunds: dict[str, int] = {}
         queues = physical if physical is not None else self.physical_queues()
         for queue in self.backend.broker.sweepable(queues):
-            recovered = self._recover(queue, report)
-            report.orphans += recovered.stamped
-            for job in recovered.outcomes:
-                telemetry.hook.recovered(queue, job.kind)
-                if job.kind in ("unstarted", "orphan"):
-                    report.requeued += 1
-                    if job.kind == "unstarted":
-                        refunds[job.id] = job.max_attempts
-                elif job.kind == "garbage":
-                    report.garbage += 1
-                    logger.warning("Moved aside %r found on queue %r: no such job.", job.id, queue)
-            report.promoted += self.backend.broker.promote(queue)
+            try:
+                self._sweep_queue(queue, report, refunds)
+            except QUEUE_ERRORS:
+                logger.exception("Skipped queue %r in this sweep: its Redis data made a "
+                                 "script fail; the other queues were swept.", queue)
         if refunds:
             try:
                 mirror.raise_budgets(self.backend.config.DATABASE, refunds)
             except DatabaseError as exc:
                 logger.warning("Could not mirror %d refunded attempt(s): %s", len(refunds), exc)
         return report
+
+    def _sweep_queue(self, queue: str, report: SweepReport, refunds: dict[str, int]) -> None:
+        """Recover and promote one shard, counting into ``report`` and ``refunds``."""
+        recovered = self._recover(queue, report)
+        report.orphans += recovered.stamped
+        for job in recovered.outcomes:
+            telemetry.hook.recovered(queue, job.kind)
+            if job.kind in ("unstarted", "orphan"):
+                report.requeued += 1
+                if job.kind == "unstarted":
+                    refunds[job.id] = job.max_attempts
+            elif job.kind == "garbage":
+                report.garbage += 1
+                logger.warning("Moved aside %r found on queue %r: no such job.", job.id, queue)
+        report.promoted += self.backend.broker.promote(queue)
 
     def _recover(self, queue: str, report: SweepReport) -> RecoverResult:
         """Run recover on one shard with the mirror's agreement; count what it did.
@@ -210,6 +273,8 @@ class Sweep:
         whose push or mirror write is on its way is never pushed twice. The
         walk is by id with a cursor, ``max_batches`` batches per call (all
         when None), so one pass over a million rows never stalls the caller.
+        Then cancels Redis lost are applied again (:meth:`recancel`) and each
+        shard's dead set is walked for jobs with no row (:meth:`purge_orphans`).
         """
         report = SweepReport()
         config = self.backend.config
@@ -230,26 +295,120 @@ class Sweep:
             for row in rows:
                 by_queue[row.physical_queue].append(row)
             for queue, queue_rows in by_queue.items():
-                pushed, buried = self._reconcile_queue(queue, queue_rows, older_than)
+                try:
+                    pushed, buried = self._reconcile_queue(queue, queue_rows, older_than)
+                except QUEUE_ERRORS:
+                    logger.exception("Skipped %d row(s) of queue %r in this reconcile: its "
+                                     "Redis data made a script fail; the other queues were "
+                                     "reconciled.", len(queue_rows), queue)
+                    continue
                 report.pushed += pushed
                 report.buried += buried
             if len(rows) < RECONCILE_BATCH:
                 self._cursor = None
                 break
+        report.recancelled += self.recancel()
+        for queue in self.physical_queues():
+            try:
+                report.purged += self.purge_orphans(queue)
+            except QUEUE_ERRORS:
+                logger.exception("Skipped the dead set of queue %r in this reconcile: its "
+                                 "Redis data made a script fail.", queue)
         return report
+
+    def purge_orphans(self, queue: str) -> int:
+        """Forget dead jobs that have no row, RECONCILE_GRACE_MS after their death.
+
+        A dead job keeps its hash for a staff retry, and prune forgets it with
+        its row; one whose row is gone anyway (deleted by hand, pruned by a
+        version that did not purge, or never committed: an id pushed into
+        Redis by hand) would stay for ever. Each call walks the next
+        RECONCILE_BATCH entries of the dead set, wrapping round. An id is
+        forgotten only when no row holds it and it died before the grace:
+        every push follows its row's commit (enqueue pushes on commit,
+        rebuilds after theirs), so a row that may still commit has no job in
+        Redis yet, let alone one dead that long. purge.lua keeps a job that
+        is no longer dead (revived meanwhile).
+        """
+        broker = self.backend.broker
+        config = self.backend.config
+        start = self._dead_cursor.get(queue, 0)
+        before_ms = broker.server_time_ms() - config.RECONCILE_GRACE_MS
+        ids, more = broker.dead_since(queue, before_ms=before_ms, start=start,
+                                      count=RECONCILE_BATCH)
+        rows = mirror.existing(config.DATABASE, ids) if ids else set()
+        orphans = [job_id for job_id in ids if job_id not in rows]
+        self._dead_cursor[queue] = start + RECONCILE_BATCH - len(orphans) if more else 0
+        if not orphans:
+            return 0
+        broker.purge(queue, orphans)
+        logger.warning("Forgot %d dead job(s) of queue %r that have no row in the database.",
+                       len(orphans), queue)
+        return len(orphans)
+
+    def recancel(self) -> int:
+        """Cancel again in Redis the recent cancels Redis lost; return how many.
+
+        A cancel acts in Redis, then commits the row; a failover to a replica
+        that missed the cancel's write brings the job back, waiting or running
+        unmarked, while its row says cancelled (a finished row, which the walk
+        above never looks at). So every row cancelled within RECANCEL_MS is
+        locked (SKIP LOCKED: a staff requeue of it holds the row) and looked
+        up, and cancel.lua is run again on those Redis still holds as waiting
+        or running: a no-op on a job already marked, and the row's word is the
+        last (a requeue makes the row unfinished before it pushes).
+        """
+        config = self.backend.config
+        since = mirror.grace_cutoff(config.DATABASE, RECANCEL_MS)
+        applied, after = 0, None
+        while True:
+            with transaction.atomic(using=config.DATABASE):
+                rows = mirror.lock_recent_cancels(config.DATABASE, backend=self.backend.alias,
+                                                  since=since, after_id=after,
+                                                  limit=RECONCILE_BATCH)
+                by_queue: dict[str, list[str]] = defaultdict(list)
+                for row in rows:
+                    by_queue[row.physical_queue].append(str(row.pk))
+                for queue, ids in by_queue.items():
+                    try:
+                        applied += self._recancel_queue(queue, ids)
+                    except QUEUE_ERRORS:
+                        logger.exception("Skipped the cancels of queue %r in this reconcile: "
+                                         "its Redis data made a script fail.", queue)
+            if len(rows) < RECONCILE_BATCH:
+                return applied
+            after = str(rows[-1].pk)
+
+    def _recancel_queue(self, queue: str, job_ids: list[str]) -> int:
+        broker = self.backend.broker
+        held = broker.held_states(queue, job_ids)
+        again = [job_id for job_id, found in held.items() if found["state"] in CANCELLABLE]
+        for job_id in again:
+            broker.cancel(queue, job_id)
+            if held[job_id]["state"] != "running":
+                logger.warning("Cancelled job %s of queue %r again: Redis had lost its cancel.",
+                               job_id, queue)
+        return len(again)
 
     def _reconcile_queue(self, queue: str, rows: list[Job],
                          older_than: datetime) -> tuple[int, int]:
         """Rebuild the jobs of ``rows`` that Redis lost; mirror deaths it recorded.
 
         The rows are read again and locked (SKIP LOCKED) AFTER the candidate
-        scan and held until the pushes are done: a worker writes the mirror
-        before it acks (which frees the hash), a staff cancel holds the row
-        while it acts, and another reconciler holds the rows it rebuilds, so
-        a row still unfinished, old and unlocked whose hash is gone was
-        really lost, and only this transaction pushes it. A tombstone
+        scan: a worker writes the mirror before it acks (which frees the
+        hash), a staff cancel holds the row while it acts, and another
+        reconciler holds the rows it rebuilds, so a row still unfinished,
+        old and unlocked whose hash is gone was really lost. A tombstone
         ('finished' or 'cancelled') whose row is still unfinished this long
         after is a write that never reached the mirror: rebuilt too.
+
+        The new generations are committed before the push (push_rebuilt).
+        What then keeps a second reconciler from pushing the same rows: the
+        commit freshened them, so they are no candidates until the grace
+        has passed; and should this push be slower than that, each
+        reconciler pushes the generation it committed, and Redis keeps the
+        newest (enqueue.lua refuses an older one, and a newer one takes over
+        an older one still waiting).
         """
         broker = self.backend.broker
         database = self.backend.config.DATABASE
@@ -283,12 +442,16 @@ class Sweep:
                     for row in lost_rows]
             if lost:
                 mirror.mark_rebuilt(database, lost_rows, now=now)
-                broker.enqueue(queue, lost, register=True)  # Redis may have lost the index too
-                crash_point("reconcile_after_push")
-        if lost:
+        if not lost:
+            return 0, buried
+        crash_point("reconcile_before_push")
+        # register: Redis may have lost the shards index too
+        pushed = sum(push_rebuilt(broker, database, queue, lost, register=True))
+        crash_point("reconcile_after_push")
+        if pushed:
             logger.warning("Pushed %d job(s) of queue %r again: Redis had lost them.",
-                           len(lost), queue)
-        return len(lost), buried
+                           pushed, queue)
+        return pushed, buried
 
     def run_once(self) -> SweepReport:
         """One full pass: the Redis steps (mirrored as they go), then reconcile."""

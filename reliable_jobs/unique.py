@@ -4,9 +4,11 @@ A task with ``unique_for_ms`` gives each job a *unique key*: a digest of the
 backend, the queue, the task and the call's arguments (all of them, bound to
 the function's signature so ``f(1)`` and ``f(x=1)`` agree; or only the
 arguments ``unique_by`` names; or whatever ``unique_by`` returns when it is
-a function). The key only names the call: the database decides (a partial
-unique index over the keys of unfinished jobs, see ``models.Job`` and
-``mirror.insert_unique_jobs``), and Redis holds nothing about it.
+a function). The key only names the call: the database decides who holds
+it (a partial unique index over the keys of unfinished jobs, see
+``models.Job`` and ``mirror.insert_unique_jobs``), Redis says whether the
+holder's task started or ended (its rows learn it later), and Redis holds
+nothing about the key itself.
 """
 
 from __future__ import annotations

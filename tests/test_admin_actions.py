@@ -184,8 +184,8 @@ def test_cancel_takes_queued_and_scheduled_jobs_off_redis(
     # Then both are cancelled in Redis: the scheduled one is off its set and its
     # hash is an expiring tombstone (a late push of it is refused); the queued
     # one is marked cancelled where it waits (cancel does not search the list)
-    # and is gone (list and hash) once a worker reaches it, never run; both
-    # are cancelled in the rows
+    # and, once a worker reaches it, is off the list and never run, its hash
+    # an expiring tombstone too; both are cancelled in the rows
     assert said == ["Cancelled 2 jobs: those waiting will not run, those running are being "
                     "stopped."]
     assert redis_client.zrange(KEYS.scheduled, 0, -1) == []
@@ -196,7 +196,8 @@ def test_cancel_takes_queued_and_scheduled_jobs_off_redis(
     assert (claimed.jobs, claimed.dead, claimed.garbage) == ([], [], [])
     assert redis_client.lrange(KEYS.queued, 0, -1) == []
     assert redis_client.zrange(KEYS.leases, 0, -1) == []
-    assert not redis_client.exists(KEYS.job(queued.id))
+    assert redis_client.hget(KEYS.job(queued.id), "state") == "cancelled"
+    assert redis_client.pttl(KEYS.job(queued.id)) > 0
     for job in Job.objects.filter(pk__in=[queued.id, later.id]):
         assert job.state == JobState.CANCELLED
         assert job.finished_at is not None

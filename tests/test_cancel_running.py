@@ -26,7 +26,7 @@ from django.utils import timezone
 
 from reliable_jobs import mirror, staff
 from reliable_jobs.backend import ReliableJobsBackend
-from reliable_jobs.broker import Applied, Broker, ClaimedJob, NewJob
+from reliable_jobs.broker import TOMBSTONE_MS, Applied, Broker, ClaimedJob, NewJob
 from reliable_jobs.compat import TaskResultStatus
 from reliable_jobs.keys import QueueKeys
 from reliable_jobs.mirror import AttemptRecord
@@ -278,6 +278,31 @@ def test_the_sweep_closes_a_cancelled_attempt_whose_worker_died(
     assert off_every_list(redis_client, result.id)
     [attempt] = Attempt.objects.filter(job_id=result.id)
     assert (attempt.number, attempt.outcome) == (job.attempt, AttemptOutcome.CANCELLED)
+    assert Job.objects.get(pk=result.id).state == JobState.CANCELLED
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_late_push_does_not_bring_back_a_job_cancelled_while_queued(
+    backend: ReliableJobsBackend, redis_client: redis.Redis
+) -> None:
+    # Given: a queued job cancelled by staff, whose id a claim then reaches and drops
+    result = demo.add.enqueue(1, 1)
+    pushed = redis_client.hget(KEYS.job(result.id), "payload")
+    assert staff.cancel(backend, result.id).done
+    assert backend.broker.claim(Q, count=10, lease_ms=60_000).jobs == []
+
+    # When: the job's push arrives once more (a producer's on-commit push
+    # that stalled, of the same generation)
+    written = backend.broker.enqueue(Q, [NewJob(result.id, pushed, 3)])
+
+    # Then: the tombstone the claim left refuses it, for as long as a
+    # scheduled or running job's tombstone lives, and the job never runs
+    assert written == 0
+    assert redis_client.hgetall(KEYS.job(result.id)) == TOMBSTONE
+    assert 0 < redis_client.pttl(KEYS.job(result.id)) <= TOMBSTONE_MS
+    assert backend.broker.claim(Q, count=10, lease_ms=60_000).jobs == []
+    assert off_every_list(redis_client, result.id)
+    assert not Attempt.objects.filter(job_id=result.id).exists()
     assert Job.objects.get(pk=result.id).state == JobState.CANCELLED
 
 

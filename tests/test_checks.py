@@ -6,8 +6,9 @@ Checks run the way ``manage.py check`` runs them (``run_checks()`` and
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from io import StringIO
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from django.core.checks import run_checks
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management import call_command
 from django.core.management.base import SystemCheckError
+from django.db import DEFAULT_DB_ALIAS, connections
 
 from reliable_jobs.compat import task_backends
 from reliable_jobs.models import Job
@@ -292,3 +294,77 @@ def test_a_database_index_redis_does_not_have_says_so(rj_settings: Configure) ->
     assert [m.id for m in messages] == ["reliable_jobs.W001"]
     assert "refused" in messages[0].msg
     assert "database index" in (messages[0].hint or "")
+
+
+#: The alias of the SQLite database the E016 tests add beside the suite's.
+SQLITE_ALIAS = "sqlite_trial"
+
+
+@pytest.fixture
+def sqlite_database(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, django_db_blocker: Any
+                    ) -> Iterator[Callable[[dict[str, Any]], str]]:
+    """Add a SQLite database with the given OPTIONS to DATABASES; return its alias.
+
+    Django's model checks open it (to ask its features): a file of the
+    test's own, so the suite's database stays closed to these tests.
+    """
+    from django.conf import settings
+
+    def add(options: dict[str, Any]) -> str:
+        entry = {"ENGINE": "django.db.backends.sqlite3", "NAME": str(tmp_path / "trial.sqlite3"),
+                 "OPTIONS": options}
+        monkeypatch.setitem(settings.DATABASES, SQLITE_ALIAS, entry)
+        configured = connections.configure_settings({DEFAULT_DB_ALIAS: dict(entry)})
+        monkeypatch.setitem(connections.settings, SQLITE_ALIAS, configured[DEFAULT_DB_ALIAS])
+        return SQLITE_ALIAS
+
+    with django_db_blocker.unblock():
+        yield add
+    if hasattr(connections._connections, SQLITE_ALIAS):
+        getattr(connections._connections, SQLITE_ALIAS).close()
+        delattr(connections._connections, SQLITE_ALIAS)
+
+
+@pytest.mark.parametrize("options", [{}, {"transaction_mode": "DEFERRED"}, {"timeout": 20}],
+                         ids=["no OPTIONS", "DEFERRED", "timeout only"])
+def test_a_sqlite_mirror_without_immediate_transactions_is_e016(
+    rj_settings: Configure, sqlite_database: Callable[[dict[str, Any]], str],
+    options: dict[str, Any]
+) -> None:
+    # Given: the job mirror on SQLite in Django's default transaction mode
+    # (BEGIN DEFERRED: select_for_update() locks nothing there)
+    rj_settings(DATABASE=sqlite_database(options))
+
+    # When: the checks run
+    messages = reliable_jobs_messages()
+
+    # Then: E016, an error in whole sentences, whose hint shows the setting to use
+    assert [m.id for m in messages] == ["reliable_jobs.E016"], messages
+    message = messages[0]
+    assert message.level == checks.ERROR
+    assert f"{SQLITE_ALIAS!r} is SQLite" in message.msg
+    assert f"DATABASES['{SQLITE_ALIAS}']['OPTIONS']['transaction_mode'] = 'IMMEDIATE'" in (
+        message.hint or "")
+    assert_whole_sentences(message)
+    with pytest.raises(SystemCheckError, match=r"reliable_jobs\.E016"):
+        call_command("check", stdout=StringIO(), stderr=StringIO())
+
+
+@pytest.mark.parametrize("mode", ["IMMEDIATE", "immediate", "EXCLUSIVE"])
+def test_a_sqlite_mirror_with_immediate_transactions_passes(
+    rj_settings: Configure, sqlite_database: Callable[[dict[str, Any]], str], mode: str
+) -> None:
+    # Given: the job mirror on SQLite whose transactions take the write lock at BEGIN
+    rj_settings(DATABASE=sqlite_database({"transaction_mode": mode}))
+
+    # When / Then: the checks are silent
+    assert reliable_jobs_messages() == []
+
+
+def test_e016_never_fires_on_postgresql(rj_settings: Configure) -> None:
+    # Given: the suite's PostgreSQL mirror, which has no transaction_mode option
+    assert connections["default"].vendor == "postgresql", "run on the suite's PostgreSQL"
+    assert "transaction_mode" not in connections["default"].settings_dict["OPTIONS"]
+
+    # When / Then: no E016
+    assert [m for m in reliable_jobs_messages() if m.id == "reliable_jobs.E016"] == []

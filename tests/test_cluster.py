@@ -97,6 +97,28 @@ def test_broker_scripts_and_multi_queue_wait_on_the_cluster(
         broker.close()
 
 
+def test_a_unique_holders_progress_is_read_across_masters_in_one_call(
+    cluster: RedisClusterHarness, cluster_env: dict[str, str]
+) -> None:
+    # Given a job waiting on one queue and a started one on a queue of another master
+    broker = Broker(cluster.url, "rj")
+    try:
+        payload = '{"task":"x","args":[],"kwargs":{}}'
+        assert broker.enqueue("default", [NewJob("a", payload, 3)])
+        assert broker.enqueue("emails", [NewJob("b", payload, 3)])
+        claimed = broker.claim("emails", count=1, lease_ms=60_000).jobs
+        assert broker.start("emails", [claimed[0].fence]) == [True]
+
+        # When the unique judgement asks for both (and one Redis never had)
+        progress = broker.progress([("default", "a"), ("emails", "b"), ("emails", "c")])
+
+        # Then each is read from its own master
+        assert {job_id: (p.state, p.started) for job_id, p in progress.items()} == {
+            "a": ("queued", False), "b": ("running", True)}
+    finally:
+        broker.close()
+
+
 def test_priorities_on_the_cluster_every_script_in_its_queues_slot(
     cluster: RedisClusterHarness, cluster_env: dict[str, str]
 ) -> None:

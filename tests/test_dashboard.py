@@ -372,7 +372,12 @@ def test_prunejobs_deletes_old_finished_jobs_in_batches_and_nothing_else(
     assert not redis_client.exists(KEYS.job(old_dead.id))
     assert redis_client.zrange(KEYS.dead, 0, -1) == []
 
-    # And --older-than wins over the setting; a second run finds nothing
+    # And --older-than wins over the setting, down to its floor: a job that
+    # finished a moment ago stays (RECONCILE_GRACE_MS + LEASE_MS), one that
+    # finished an hour ago goes
+    call_command("prunejobs", "--older-than", "0", stdout=out)
+    assert Job.objects.filter(pk=recent.id).exists()
+    age(recent.id, hours=1)
     call_command("prunejobs", "--older-than", "0", stdout=out)
     assert set(Job.objects.values_list("state", flat=True)) == {JobState.RUNNING}
 

@@ -2,7 +2,8 @@
 
 Someone who can write to Redis can hand the scripts anything: garbage ids,
 huge strings, numbers that are not numbers, job hashes with fields missing
-or rewritten, a hash deleted under a running job. Whatever they do, a script
+or rewritten, a hash deleted under a running job or replaced by a key of
+another type. Whatever they do, a script
 either works or refuses with an error reply *before writing anything*, the
 worker's calls never raise, and every real job still ends: acked (it ran)
 or dead (with its reason) once a simulated worker and sweep have drained
@@ -253,7 +254,8 @@ def drain_and_reconcile(broker: Broker, ids: list[str], decisions: list[str],
         for job_id in ids:
             if job_id in drain.ended:
                 continue
-            state = broker.client.hget(broker.keys(Q).job(job_id), "state")
+            # As the sweep's reconcile reads it (a key of another type holds no job).
+            state = broker.held_states(Q, [job_id]).get(job_id, {}).get("state")
             if state is None:
                 generations[job_id] = generations.get(job_id, 0) + 1
                 lost.append(new_job(job_id, attempts=1, gen=generations[job_id]))
@@ -317,6 +319,9 @@ def test_hostile_redis_contents_never_crash_lose_or_strand_a_job(
         st.tuples(st.just("field"), some_id, st.just("state"), unknown_state),
         st.tuples(st.just("hdel"), some_id, st.sampled_from(KNOWN_FIELDS)),
         st.tuples(st.just("delete"), some_id),
+        # (a key of another type under a job's name: every script reads it as
+        # a damaged hash, reconcile as a lost job)
+        st.tuples(st.just("retype"), some_id, st.sampled_from(["string", "list", "zset"])),
         # (an id pushed onto landing stands for a worker that died right after
         # its BLMOVE; recover leases and requeues it)
         st.tuples(st.just("push"), st.sampled_from(["queued", "landing", "leases",
@@ -327,11 +332,21 @@ def test_hostile_redis_contents_never_crash_lose_or_strand_a_job(
     for step in data.draw(st.lists(action, max_size=4), label="actions"):
         kind = step[0]
         if kind == "field":
-            broker.client.hset(k.job(step[1]), step[2], step[3])
+            with contextlib.suppress(redis.ResponseError):  # a key of another type
+                broker.client.hset(k.job(step[1]), step[2], step[3])
         elif kind == "hdel":
-            broker.client.hdel(k.job(step[1]), step[2])
+            with contextlib.suppress(redis.ResponseError):
+                broker.client.hdel(k.job(step[1]), step[2])
         elif kind == "delete":
             broker.client.delete(k.job(step[1]))
+        elif kind == "retype":
+            broker.client.delete(k.job(step[1]))
+            if step[2] == "string":
+                broker.client.set(k.job(step[1]), "not a hash")
+            elif step[2] == "list":
+                broker.client.rpush(k.job(step[1]), "not", "a hash")
+            else:
+                broker.client.zadd(k.job(step[1]), {"not a hash": 1})
         elif kind == "push":
             where, job_id, score = step[1], step[2], step[3]
             if where in ("queued", "landing"):

@@ -336,6 +336,36 @@ def test_an_executor_never_runs_a_job_whose_lease_was_lost() -> None:
     assert len(in_hand) == 0
 
 
+def test_an_executor_lets_go_of_a_claim_whose_lease_expired_before_it_started(
+    rj_settings: Any, redis_client: redis.Redis
+) -> None:
+    # Given: a worker holding a claim whose lease expired before its start
+    # mark (the worker stalled; no sweep has run yet)
+    rj_settings()
+    backend = task_backends["default"]
+    broker: Broker = backend.broker
+    result = demo.add.enqueue(1, 2)
+    worker = Worker(backend, queues=["default"])
+    [job] = broker.claim("default", count=1, lease_ms=50).jobs
+    worker.in_hand.add([job])
+    wait_until(lambda: (lease_of(redis_client, job.id) or 0) < broker.server_time_ms(),
+               message="the claim's lease to expire")
+
+    # When: an executor thread marks it started
+    started = worker.executor._mark_started([job])
+
+    # Then: it is not run and leaves the hand (its lease is no longer
+    # renewed), nothing is recorded, and the sweep requeues it as a claim
+    # that never started
+    assert started == []
+    assert len(worker.in_hand) == 0
+    assert not Attempt.objects.filter(job_id=result.id).exists()
+    assert redis_client.hget(KEYS.job(job.id), "started") is None
+    assert Sweep(backend).redis_pass().requeued == 1
+    [again] = broker.claim("default", count=1, lease_ms=60_000).jobs
+    assert (again.id, again.attempt, again.max_attempts) == (job.id, 2, job.max_attempts + 1)
+
+
 # -- 4 and 5. reconcile, cancel and late pushes cannot resurrect a job ---------
 
 
@@ -681,3 +711,76 @@ def test_an_id_read_from_redis_cannot_forge_a_log_line() -> None:
     assert printable("0b6c3f8e-1a2b-4c5d-8e9f-0a1b2c3d4e5f") == (
         "0b6c3f8e-1a2b-4c5d-8e9f-0a1b2c3d4e5f")
     assert len(printable("y" * 10_000)) < 120
+
+
+# -- 4. a stale holder's late record never closes the current attempt ----------
+
+
+@pytest.fixture(params=["native", "orm"])
+def mirror_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run the mirror's writes on the database's own path, then on the ORM path.
+
+    "native" is the SQL path on PostgreSQL (the ORM path on SQLite, as
+    ever); "orm" takes the portable path whatever the database, so both
+    paths of every rule run in the suite's PostgreSQL run.
+    """
+    if request.param == "orm":
+        monkeypatch.setattr(mirror, "_on_postgresql", lambda using: False)
+    return str(request.param)
+
+
+def test_a_stale_holders_late_record_does_not_close_the_current_attempt(
+    mirror_path: str, rj_settings: Any, redis_client: redis.Redis
+) -> None:
+    # Given: worker A holds attempt 2 of a job (its first claim was handed
+    # back unstarted), none of it mirrored; Redis loses the job, reconcile
+    # rebuilds it (generation 1) and worker B claims and starts attempt 1
+    rj_settings()
+    backend = task_backends["default"]
+    broker: Broker = backend.broker
+    result = demo.add.enqueue(1, 2)
+    first = broker.claim("default", count=1, lease_ms=60_000).jobs[0]
+    assert broker.release("default", [(*first.fence, False)]) == [True]
+    stale = broker.claim("default", count=1, lease_ms=60_000).jobs[0]
+    assert (stale.attempt, stale.gen) == (2, 0)
+    redis_client.flushdb()
+    backdate(result.id)
+    assert Sweep(backend).reconcile().pushed == 1
+    fresh = broker.claim("default", count=1, lease_ms=60_000).jobs[0]
+    assert (fresh.attempt, fresh.gen) == (1, 1)
+    assert broker.start("default", [fresh.fence]) == [True]
+    mirror.record("default", [AttemptRecord(job_id=fresh.id, attempt=1, gen=1,
+                                            job_state=JobState.RUNNING, worker_id="B",
+                                            started_at=timezone.now())])
+
+    # When: A's late success (generation 0, attempt 2) reaches the mirror,
+    # then B's
+    mirror.record("default", [success(stale, "A")])
+    mirror.record("default", [success(fresh, "B")])
+
+    # Then: B's attempt was never closed by A's record, and its success is the job's
+    attempt = Attempt.objects.get(job_id=result.id, number=1)
+    assert (attempt.outcome, attempt.worker_id) == (AttemptOutcome.SUCCEEDED, "B")
+    row = Job.objects.get(pk=result.id)
+    assert (row.state, row.attempts, row.generation) == (JobState.SUCCEEDED, 1, 1)
+
+
+def test_a_key_of_another_type_under_a_jobs_name_is_rebuilt_by_reconcile(
+    rj_settings: Any, redis_client: redis.Redis
+) -> None:
+    # Given: a queued job whose hash someone replaced by hand with a key of
+    # another type, its id gone from the list
+    rj_settings()
+    backend = task_backends["default"]
+    result = demo.add.enqueue(1, 2)
+    redis_client.delete(KEYS.job(result.id), KEYS.queued)
+    redis_client.set(KEYS.job(result.id), "not a hash")
+    backdate(result.id)
+
+    # When: the sweep reconciles
+    pushed = Sweep(backend).reconcile().pushed
+
+    # Then: Redis holds no job there, so the job is pushed again over the key, and runs
+    assert pushed == 1
+    [job] = backend.broker.claim("default", count=1, lease_ms=60_000).jobs
+    assert (job.id, job.gen) == (result.id, 1)

@@ -2,12 +2,14 @@
 downtime policies, the slot's unique key, enabling, removal, run now, checks.
 
 The scheduler is driven with explicit ``now`` values, so a night or an outage
-of an hour takes no time. The real-process races are in test_periodic_processes.py.
+of an hour takes no time; the test of the worker's clock stepping back runs
+passes in real time. The real-process races are in test_periodic_processes.py.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
@@ -18,11 +20,20 @@ from zoneinfo import ZoneInfo
 import pytest
 from django.core.checks import run_checks
 from django.core.management import call_command
+from django.utils import timezone
 
 from reliable_jobs.compat import task_backends
 from reliable_jobs.models import Job, Schedule, ScheduleSlot
 from reliable_jobs.periodic import Cron, Every, TimetableError, declared, periodic
-from reliable_jobs.periodic.scheduler import Scheduler, decide, run_now, set_enabled
+from reliable_jobs.periodic.scheduler import (
+    ON_TIME_MS,
+    PASS_INTERVAL_S,
+    Scheduler,
+    database_now,
+    decide,
+    run_now,
+    set_enabled,
+)
 from testproject.demo import tasks as demo
 
 Configure = Callable[..., dict[str, str]]
@@ -291,6 +302,39 @@ def test_passes_from_two_schedulers_enqueue_each_slot_once(
     # Then: one job per second, no slot twice, none missing
     assert slot_times("tick") == [start + timedelta(seconds=s) for s in range(1, 20)]
     assert Job.objects.count() == 19
+
+
+# -- the worker's clock ----------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)  # now() per pass, as in a worker
+def test_a_backward_step_of_the_workers_clock_neither_delays_nor_drops_a_slot(
+        scheduler_for: Callable[..., Scheduler], monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given: an every-second schedule that drops missed slots, fired in real time
+    since = database_now("default")
+    scheduler = scheduler_for(since=since, tick={"task": ADD, "every_ms": 1000, "args": [1, 1],
+                                                 "catch_up": "none"})
+    reports = [scheduler.run_pass()]
+
+    # When: the worker's wall clock steps back an hour (NTP, a VM resumed) for
+    # longer than a slot may be late, the scheduler passing as its thread does,
+    # and is then set right
+    wall_clock = timezone.now
+    monkeypatch.setattr(timezone, "now", lambda: wall_clock() - timedelta(hours=1))
+    stepped_until = time.monotonic() + ON_TIME_MS / 1000 + 2
+    while time.monotonic() < stepped_until:
+        reports.append(scheduler.run_pass())
+        time.sleep(PASS_INTERVAL_S)
+    monkeypatch.setattr(timezone, "now", wall_clock)
+    reports.append(scheduler.run_pass())
+
+    # Then: every slot since the start was enqueued on time: none dropped as
+    # missed, none left for later
+    assert sum(r.skipped for r in reports) == 0
+    cursor = Schedule.objects.get(name="tick").cursor_at
+    assert cursor is not None and cursor > database_now("default") - timedelta(seconds=2)
+    assert slot_times("tick") == slots_between(Every(1000), since, cursor)
 
 
 # -- staff and code changes -----------------------------------------------------------

@@ -25,6 +25,7 @@ from redis.crc import key_slot
 from reliable_jobs import scripts
 from reliable_jobs.broker import (
     TOMBSTONE_MS,
+    Applied,
     Broker,
     ClaimedJob,
     NewJob,
@@ -147,9 +148,15 @@ def assert_consistent(broker: Broker, queue: str = Q) -> None:
         if state == "running":
             assert where == (0, 0, 1, False, False), (job_id, state, where)
             assert job_id in held, f"running job {job_id} has no lease"
+        elif state == "cancelled" and broker.client.pttl(key) > 0:
+            # A tombstone (a claim dropped the id, or the job was cancelled while
+            # scheduled or running and then ended): on no list, and it expires.
+            assert where == (0, 0, 0, False, False), (job_id, state, where)
+            assert job_id not in held, f"cancelled job {job_id} still has a lease"
         elif state in ("queued", "cancelled"):
-            # On landing: moved by BLMOVE, not yet claimed. A cancelled job's id
-            # stays where it was until a claim drops it.
+            # On landing: moved by BLMOVE, not yet claimed. A job cancelled while
+            # queued keeps its id where it was (its hash whole, no expiry) until a
+            # claim drops it.
             assert where in ((1, 0, 0, False, False), (0, 1, 0, False, False)), (
                 job_id, state, where)
         elif state == "scheduled":
@@ -886,6 +893,100 @@ def test_a_key_of_another_type_under_a_jobs_name_is_garbage_not_an_error(
     assert queued(broker) == ["last"]
 
 
+def test_start_refuses_a_claim_whose_lease_expired(broker: Broker) -> None:
+    # Given a job claimed under a short lease that has expired (the worker
+    # stalled before its start mark; no sweep has run yet)
+    enqueue(broker, "a")
+    job = claim_one(broker, lease_ms=SHORT_LEASE_MS)
+    wait_past(broker, leases(broker)["a"])
+
+    # When its holder marks it started
+    replies = broker.start(Q, [job.fence])
+
+    # Then it is refused as expired (a reply of its own: do not run it), not
+    # marked started, and the sweep requeues it as a claim that never started
+    assert replies == [Applied.EXPIRED] and not replies[0]
+    assert "started" not in hash_of(broker, "a")
+    result = broker.recover(Q, lease_ms=LONG_LEASE_MS)
+    assert result.outcomes == [RecoveredJob("a", 1, "unstarted", max_attempts=4)]
+    assert queued(broker) == ["a"]
+
+
+def test_a_key_of_another_type_at_a_bands_head_does_not_fail_the_fair_share(
+    broker: Broker
+) -> None:
+    # Given a queue with two priorities waiting, claims under a fair share,
+    # an id at the head of queued whose job key is not a hash, and a real job
+    # a waiting worker moved onto landing
+    broker.fair_share = 1
+    enqueue(broker, "real")
+    assert broker.enqueue(Q, [NewJob("high", "{}", 3, priority=5)]) == 1
+    assert broker.wait([Q], timeout_s=1.0) == (Q, "real")
+    broker.client.set(broker.keys(Q).job("odd"), "not a hash")
+    broker.client.rpush(broker.keys(Q).queued, "odd")
+
+    # When that worker claims with the moved id
+    result = broker.claim(Q, count=5, lease_ms=LONG_LEASE_MS, moved_id="real")
+
+    # Then the claim does not fail half-way: the moved job and the other
+    # priority's job are leased, the odd id is garbage, and nothing is left
+    # on no list
+    assert sorted(j.id for j in result.jobs) == ["high", "real"]
+    assert result.garbage == ["odd"]
+    assert sorted(in_flight(broker)) == ["high", "real"]
+    assert (queued(broker), landing(broker)) == ([], [])
+
+
+def _odd_calls(broker: Broker, held: ClaimedJob) -> dict[str, Callable[[], Any]]:
+    """Each script that reads a job hash, called with "odd" where a job id goes, and
+    (for the batch scripts) the real job ``held`` beside it; what each must return."""
+    fence = held.fence
+    return {
+        "ack": lambda: broker.ack(Q, [("odd", 1, 0), fence]) == [0, 1],
+        "cancel": lambda: broker.cancel(Q, "odd") == (False, ""),
+        "enqueue": lambda: broker.enqueue(Q, [new_job("odd"), new_job("new")]) == 2,
+        "expired": lambda: broker.expired(Q) == [],
+        "extend": lambda: broker.extend(Q, [("odd", 1, 0), fence],
+                                        lease_ms=LONG_LEASE_MS) == [0, 1],
+        "latency": lambda: broker.latency(Q).oldest_ready_ms is None,
+        "nack": lambda: broker.nack(Q, [("odd", 1, 0, 0, "x"), (*fence, 0, "x")]) == [0, 1],
+        "promote": lambda: broker.promote(Q) == 0,
+        "purge": lambda: broker.purge(Q, ["odd"]) == 0,
+        "recover": lambda: broker.recover(
+            Q, lease_ms=LONG_LEASE_MS, settle=[Settlement("odd", 1, 0, "succeeded")]
+        ).outcomes == [RecoveredJob("odd", 0, "garbage")],
+        "release": lambda: broker.release(Q, [("odd", 1, 0, True), (*fence, False)]) == [0, 1],
+        "reprioritize": lambda: broker.reprioritize(Q, "odd", 5)[:2] == (False, ""),
+        "requeue": lambda: broker.requeue(Q, "odd") == (False, ""),
+        "revive": lambda: broker.revive(Q, "odd", extra_attempts=1) is False,
+        "start": lambda: broker.start(Q, [("odd", 1, 0), fence]) == [0, 1],
+        "claim": lambda: broker.claim(Q, count=5, lease_ms=LONG_LEASE_MS).garbage == ["odd"],
+    }
+
+
+@pytest.mark.parametrize("name", [n for n in scripts.SCRIPT_NAMES if n != "wake"])
+def test_a_key_of_another_type_under_a_jobs_name_fails_no_script(
+    broker: Broker, name: str
+) -> None:
+    # Given a real job held by a worker, and an id on every list and set whose
+    # job key is not a hash (written by hand), its lease and due time past
+    enqueue(broker, "real")
+    held = claim_one(broker)
+    k = broker.keys(Q)
+    broker.client.set(k.job("odd"), "not a hash")
+    broker.client.rpush(k.queued, "odd")
+    broker.client.zadd(k.leases, {"odd": 0})
+    broker.client.zadd(k.scheduled, {"odd": 0})
+    broker.client.zadd(k.dead, {"odd": 0})
+    calls = _odd_calls(broker, held)
+
+    # When the script is called with that id (beside the real job, for a batch)
+    # Then it does not fail: the odd id reads as no job (or garbage), and the
+    # real job is handled as if the odd id were not there
+    assert calls[name]() is True
+    assert name != "enqueue" or hash_of(broker, "odd")["state"] == "queued"
+
+
 def test_recover_moves_garbage_on_landing_aside(broker: Broker) -> None:
     # Given an id on landing whose job hash does not exist
     broker.client.lpush(broker.keys(Q).landing, "ghost")
@@ -981,11 +1082,13 @@ def test_cancel_removes_a_queued_job(broker: Broker) -> None:
     assert hash_of(broker, "a")["state"] == "cancelled"
     assert_consistent(broker)
 
-    # and once a worker reaches it, it is gone and never ran; the other runs
+    # and once a worker reaches it, it is gone and never ran (its hash a
+    # tombstone that expires, as a cancelled scheduled job's); the other runs
     claimed = broker.claim(Q, count=2, lease_ms=LONG_LEASE_MS)
     assert [j.id for j in claimed.jobs] == ["b"]
     assert (claimed.dead, claimed.garbage) == ([], [])
-    assert hash_of(broker, "a") == {}
+    assert hash_of(broker, "a") == {"state": "cancelled", "gen": "0"}
+    assert 0 < broker.client.pttl(broker.keys(Q).job("a")) <= TOMBSTONE_MS
     assert (queued(broker), in_flight(broker)) == ([], ["b"])
     assert "a" not in dead(broker)
 
@@ -1190,11 +1293,11 @@ def test_a_cancelled_queued_job_stays_listed_until_a_claim_drops_it(broker: Brok
     while queued(broker):
         results.append(broker.claim(Q, count=1, lease_ms=LONG_LEASE_MS))
 
-    # Then the cancelled job is never returned, neither dead nor garbage, and its
-    # id and hash are gone; the others run
+    # Then the cancelled job is never returned, neither dead nor garbage, its
+    # id is gone and its hash a tombstone; the others run
     assert [j.id for r in results for j in r.jobs] == ["a", "c"]
     assert [(r.dead, r.garbage) for r in results] == [([], [])] * 3
-    assert hash_of(broker, "b") == {}
+    assert hash_of(broker, "b") == {"state": "cancelled", "gen": "0"}
     assert sorted(in_flight(broker)) == ["a", "c"]
     assert set(leases(broker)) == {"a", "c"}
     assert "b" not in dead(broker)
@@ -1210,11 +1313,32 @@ def test_a_cancelled_id_moved_by_blmove_is_dropped_by_the_claim(broker: Broker) 
     # When that worker claims with the moved id
     result = broker.claim(Q, count=1, lease_ms=LONG_LEASE_MS, moved_id="a")
 
-    # Then nothing is claimed, and the id and hash are gone from everywhere
+    # Then nothing is claimed, the id is gone from everywhere, its hash a tombstone
     assert (result.jobs, result.dead, result.garbage) == ([], [], [])
-    assert hash_of(broker, "a") == {}
+    assert hash_of(broker, "a") == {"state": "cancelled", "gen": "0"}
     assert (queued(broker), landing(broker), in_flight(broker)) == ([], [], [])
     assert "a" not in leases(broker) and "a" not in dead(broker)
+
+
+def test_a_cancelled_id_whose_worker_died_on_landing_leaves_a_tombstone(broker: Broker) -> None:
+    # Given a queued job cancelled, then moved onto landing by a worker that
+    # died before its claim (the sweep leases the orphan, and the lease expires)
+    enqueue(broker, "a")
+    assert broker.cancel(Q, "a") == (True, "queued")
+    assert broker.wait([Q], timeout_s=1.0) == (Q, "a")
+    assert broker.recover(Q, lease_ms=SHORT_LEASE_MS).stamped == 1
+    wait_past(broker, leases(broker)["a"])
+
+    # When the sweep recovers it
+    result = broker.recover(Q, lease_ms=SHORT_LEASE_MS)
+
+    # Then the id is dropped from everywhere, its hash a tombstone that
+    # refuses a late push of the job
+    assert result.outcomes == [RecoveredJob("a", 0, "dropped")]
+    assert (queued(broker), landing(broker), leases(broker)) == ([], [], {})
+    assert hash_of(broker, "a") == {"state": "cancelled", "gen": "0"}
+    assert 0 < broker.client.pttl(broker.keys(Q).job("a")) <= TOMBSTONE_MS
+    assert broker.enqueue(Q, [new_job("a")]) == 0
 
 
 def test_cancel_among_ten_thousand_queued_jobs_does_not_search_the_list(broker: Broker) -> None:
@@ -1235,7 +1359,7 @@ def test_cancel_among_ten_thousand_queued_jobs_does_not_search_the_list(broker: 
     result = broker.claim(Q, count=len(ids), lease_ms=LONG_LEASE_MS)
     assert [j.id for j in result.jobs] == [job_id for job_id in ids if job_id != "j5000"]
     assert (result.dead, result.garbage, result.remaining) == ([], [], 0)
-    assert hash_of(broker, "j5000") == {}
+    assert hash_of(broker, "j5000") == {"state": "cancelled", "gen": "0"}
     assert len(in_flight(broker)) == len(ids) - 1
 
 
@@ -1600,8 +1724,8 @@ def test_two_sweeps_at_once_requeue_each_expired_job_once(broker: Broker) -> Non
 #: Commands the scripts use whose first argument is their only key.
 ONE_KEY_COMMANDS = frozenset({
     "EXISTS", "GET", "HDEL", "HGET", "HINCRBY", "HMGET", "HSET", "LINDEX", "LLEN", "LPOP", "LPOS",
-    "LPUSH", "LRANGE", "LREM", "LTRIM", "PEXPIRE", "RPUSH", "SET", "ZADD", "ZCARD", "ZINCRBY",
-    "ZRANGE", "ZRANGEBYSCORE", "ZREM", "ZREVRANGEBYSCORE", "ZSCORE",
+    "LPUSH", "LRANGE", "LREM", "LTRIM", "PEXPIRE", "PTTL", "RPUSH", "SET", "ZADD", "ZCARD",
+    "ZINCRBY", "ZRANGE", "ZRANGEBYSCORE", "ZREM", "ZREVRANGEBYSCORE", "ZSCORE",
 })
 #: Commands whose every argument is a key.
 ALL_KEY_COMMANDS = frozenset({"DEL"})

@@ -138,3 +138,34 @@ def test_a_failure_is_still_logged_by_the_framework_when_its_logger_writes_error
     assert [line for line in lines if failed.id in line], lines
     assert not [line for line in lines if ok.id in line], lines
     assert all(r.levelno == logging.ERROR for r in records), lines
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_failed_attempts_result_carries_its_error_to_task_finished(
+    rj_settings: Any, tasks_logger_level: logging.Logger,
+) -> None:
+    # Given: a receiver of task_finished, and a job whose every attempt raises
+    rj_settings()
+    finished = Received()
+    task_finished.connect(finished, weak=False)
+    try:
+        failed = demo.always_fail.enqueue("no luck")
+        # When: a worker runs it until it is dead
+        drain_here()
+    finally:
+        task_finished.disconnect(finished)
+
+    # Then: each attempt's TaskResult holds that attempt's error, as Django's
+    # ImmediateBackend fills it in before it sends task_finished: the class
+    # path of the exception and its traceback
+    assert finished.results
+    for result in finished.results:
+        assert (result.id, result.status) == (failed.id, TaskResultStatus.FAILED)
+        [error] = result.errors
+        assert error.exception_class_path == "builtins.RuntimeError"
+        assert error.traceback.startswith("Traceback (most recent call last):")
+        assert error.traceback.rstrip().endswith("RuntimeError: no luck")
+    # ... the error the backend's get_result later reads from the mirror
+    stored = demo.always_fail.get_result(failed.id).errors
+    assert [e.exception_class_path for e in stored] == ["builtins.RuntimeError"] * len(
+        finished.results)

@@ -11,6 +11,7 @@ mirror's portable path).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from datetime import timedelta
 from pathlib import Path
@@ -24,8 +25,10 @@ from django.utils import timezone
 
 from reliable_jobs import mirror, staff, unique
 from reliable_jobs.backend import ReliableJobsBackend
+from reliable_jobs.broker import Applied
 from reliable_jobs.compat import InvalidTask, TaskContext, task, task_backends, task_enqueued
-from reliable_jobs.models import Job, JobState
+from reliable_jobs.mirror import AttemptRecord
+from reliable_jobs.models import AttemptOutcome, Job, JobState
 from reliable_jobs.sweep import Sweep
 from testproject.demo import tasks as demo
 
@@ -296,6 +299,131 @@ def test_a_running_job_counts_only_with_unique_while_running(
     assert Job.objects.get(pk=default.id).unique_key is None
     # ...and the running job with unique_while_running
     assert report_while_running.enqueue(1).id == held.id
+
+
+def claim_and_start(backend: ReliableJobsBackend, job_id: str, *, start: bool = True) -> None:
+    """Claim ``job_id`` (and mark it started) in Redis as a worker does, its
+    start record not yet in the database (the worker writes it later, batched)."""
+    claimed = backend.broker.claim("default", count=1, lease_ms=60_000)
+    assert [job.id for job in claimed.jobs] == [job_id]
+    if start:
+        assert backend.broker.start("default", [claimed.jobs[0].fence]) == [Applied.DONE]
+    assert Job.objects.get(pk=job_id).state == JobState.QUEUED
+
+
+def test_a_job_a_worker_started_is_running_before_its_start_reaches_the_database(
+    backend: ReliableJobsBackend, redis_client: redis.Redis
+) -> None:
+    # Given: a unique job a worker claimed and started; the database still says queued
+    first = report.enqueue(1)
+    claim_and_start(backend, first.id)
+
+    # When: the same call is enqueued again
+    second = report.enqueue(1)
+
+    # Then: a new job (the started one may have read what the call wants seen),
+    # pushed; the started job gave its key up
+    assert second.id != first.id
+    assert redis_client.lrange(QUEUED, 0, -1) == [second.id]
+    assert Job.objects.get(pk=first.id).unique_key is None
+    assert report.enqueue(1).id == second.id
+
+
+def test_a_started_job_holds_its_key_with_unique_while_running(
+    backend: ReliableJobsBackend
+) -> None:
+    # Given: a started job of a task whose running jobs count, the database still says queued
+    first = report_while_running.enqueue(1)
+    claim_and_start(backend, first.id)
+
+    # When / Then: the same call returns it
+    assert report_while_running.enqueue(1).id == first.id
+
+
+def test_a_job_claimed_but_not_started_still_holds_its_key(
+    backend: ReliableJobsBackend
+) -> None:
+    # Given: a unique job a worker claimed and has not started (its task has not begun)
+    first = report.enqueue(1)
+    claim_and_start(backend, first.id, start=False)
+
+    # When / Then: the same call returns it: it runs after the call
+    assert report.enqueue(1).id == first.id
+
+
+def test_a_job_that_ends_while_its_key_is_judged_does_not_hold_it(
+    backend: ReliableJobsBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given: a unique job a worker started; its start record did not reach the
+    # database, and the worker ends the job (row written succeeded, then the
+    # hash freed) between the producer's look-up of the holder and its question to Redis
+    first = report.enqueue(1)
+    claimed = backend.broker.claim("default", count=1, lease_ms=60_000).jobs[0]
+    assert backend.broker.start("default", [claimed.fence]) == [Applied.DONE]
+    ask = backend.broker.progress
+
+    def ends_first(jobs: Any) -> Any:
+        if Job.objects.get(pk=first.id).state == JobState.QUEUED:
+            now = timezone.now()
+            mirror.record(backend.database, [AttemptRecord(
+                first.id, claimed.attempt, JobState.SUCCEEDED, worker_id="w", started_at=now,
+                finished_at=now, outcome=AttemptOutcome.SUCCEEDED, gen=claimed.gen)])
+            assert backend.broker.ack("default", [claimed.fence]) == [Applied.DONE]
+        return ask(jobs)
+
+    monkeypatch.setattr(backend.broker, "progress", ends_first)
+
+    # When: the same call is enqueued
+    second = report.enqueue(1)
+
+    # Then: a new job: the holder ran (Redis no longer had it, the row says so now)
+    assert second.id != first.id
+    assert Job.objects.get(pk=first.id).state == JobState.SUCCEEDED
+
+
+def test_a_holder_redis_does_not_have_yet_holds_its_key(
+    backend: ReliableJobsBackend, redis_client: redis.Redis
+) -> None:
+    # Given: a unique job whose push has not happened (its transaction is open)
+    with transaction.atomic():
+        first = report.enqueue(1)
+
+        # When / Then: the same call in that transaction returns it
+        assert report.enqueue(1).id == first.id
+    assert redis_client.lrange(QUEUED, 0, -1) == [first.id]
+
+
+def test_with_redis_down_the_rows_decide(
+    rj_settings: Any, app_log: list[logging.LogRecord]
+) -> None:
+    # Given: a backend whose Redis refuses connections, and a unique job
+    # waiting in the database for its push
+    rj_settings(REDIS_URL="redis://127.0.0.1:1/0")
+    first = report.enqueue(1)
+
+    # When: the same call is enqueued
+    again = report.enqueue(1)
+
+    # Then: the producer did not fail; the row (queued) holds the key; a warning says why
+    assert again.id == first.id
+    said = [r.getMessage() for r in app_log if r.levelno == logging.WARNING]
+    assert any("their database rows decide" in message for message in said), said
+
+
+@pytest.mark.parametrize("call", [report, report_while_running], ids=["default", "while_running"])
+def test_a_job_redis_buried_does_not_hold_its_key(
+    backend: ReliableJobsBackend, redis_client: redis.Redis, call: Any
+) -> None:
+    # Given: a unique job whose attempts were all spent by workers that were
+    # lost, so the next claim buries it (the database learns it from the sweep)
+    first = call.enqueue(1)
+    spent = Job.objects.get(pk=first.id).max_attempts
+    redis_client.hset(backend.broker.keys("default").job(first.id), "attempts", spent)
+    assert backend.broker.claim("default", count=1, lease_ms=60_000).dead
+    assert Job.objects.get(pk=first.id).state == JobState.QUEUED
+
+    # When / Then: the same call is a new job (the buried one will not run)
+    assert call.enqueue(1).id != first.id
 
 
 def test_a_job_retried_by_staff_runs_without_the_key_a_new_job_holds(

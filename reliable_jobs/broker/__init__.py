@@ -22,6 +22,7 @@ from .connection import (
     CLUSTER_RETRIES,
     CLUSTER_SCHEMES,
     REDIS_ERRORS,
+    SCRIPT_ERRORS,
     SOCKET_TIMEOUT_S,
     connect,
     is_cluster_url,
@@ -35,6 +36,7 @@ from .records import (
     Fence,
     Latency,
     NewJob,
+    Progress,
     QueueCounts,
     RecoveredJob,
     RecoverResult,
@@ -45,9 +47,10 @@ from .records import (
 
 __all__ = [
     "CLUSTER_RETRIES", "CLUSTER_SCHEMES", "EXHAUSTED_CLASS", "EXPIRED_CLASS", "LATENCY_LOOK",
-    "REDIS_ERRORS", "REGISTER_EVERY_S", "SOCKET_TIMEOUT_S", "SWEEP_BATCH", "TOMBSTONE_MS",
+    "REDIS_ERRORS", "REGISTER_EVERY_S", "SCRIPT_ERRORS", "SOCKET_TIMEOUT_S", "SWEEP_BATCH",
+    "TOMBSTONE_MS",
     "WORKER_INDEX_KEEP_MS", "Applied", "Broker", "ClaimResult", "ClaimedJob", "Fence",
-    "Latency", "NewJob", "QueueCounts", "RecoverResult", "RecoveredJob", "Settlement",
+    "Latency", "NewJob", "Progress", "QueueCounts", "RecoverResult", "RecoveredJob", "Settlement",
     "WorkerBeat", "connect", "epoch_ms", "is_cluster_url",
 ]
 
@@ -61,10 +64,17 @@ class Broker(Lifecycle, Inspection):
     # -- producers -------------------------------------------------------
 
     def enqueue(self, queue: str, jobs: Iterable[NewJob], *, register: bool = False) -> int:
-        """Write jobs and make them runnable; return how many were written.
+        """Write jobs and make them runnable; return how many were written (see enqueue_each)."""
+        return sum(self.enqueue_each(queue, jobs, register=register))
+
+    def enqueue_each(self, queue: str, jobs: Iterable[NewJob], *,
+                     register: bool = False) -> list[bool]:
+        """Write jobs and make them runnable; say per job whether Redis now holds it.
 
         Existing job hashes are kept, and so are tombstones of the same or a
-        newer generation (see enqueue.lua).
+        newer generation; a push of a newer generation takes over an older
+        incarnation still waiting (see enqueue.lua). A rebuild moves only the
+        rows whose push was taken (sweep.push_rebuilt).
 
         ``queue`` is a physical queue (a shard). A shard other than 0 is
         recorded in its queue's shards index when this process writes to it,
@@ -83,11 +93,11 @@ class Broker(Lifecycle, Inspection):
             args += (job.id, job.payload, job.max_attempts, job.due_ms, job.attempts, job.gen,
                      job.priority)
         if not args:
-            return 0
-        written = sum(map(int, self._run(
+            return []
+        written = [bool(int(one)) for one in self._run(
             "enqueue", (k.queued, k.scheduled, k.wake, k.job_prefix, k.bands, k.band_prefix),
-            args)))
-        self._wake(queue, written)
+            args)]
+        self._wake(queue, any(written))
         return written
 
     # -- staff actions ---------------------------------------------------

@@ -23,6 +23,11 @@ SOCKET_TIMEOUT_S = 10.0
 #: the cluster client's own errors are not RedisErrors.
 REDIS_ERRORS: tuple[type[Exception], ...] = (redis.RedisError, RedisClusterException)
 
+#: The errors a script (or a command) raises about the data it found, not
+#: about the server or the network: a key of an unexpected type, a failed
+#: script. They concern one queue; a sweep logs them and goes on.
+SCRIPT_ERRORS: tuple[type[Exception], ...] = (redis.ResponseError,)
+
 #: Retries of a call on a Redis Cluster after a connection error or timeout.
 CLUSTER_RETRIES = 1
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..keys import worker_key, workers_index
 from .core import BrokerCore
-from .records import Latency, QueueCounts, WorkerBeat
+from .records import Latency, Progress, QueueCounts, WorkerBeat
 
 #: How long a worker that stopped beating stays in the workers index, in ms.
 WORKER_INDEX_KEEP_MS = 3_600_000
@@ -26,18 +26,55 @@ class Inspection(BrokerCore):
     """Counts, latency, held states and the workers index."""
 
     def held_states(self, queue: str, job_ids: Sequence[str]) -> dict[str, dict[str, str]]:
-        """Return the state, attempts, gen and last_error of each job Redis holds."""
+        """Return the state, attempts, gen and last_error of each job Redis holds.
+
+        A key of another type under a job's name (written by hand) holds no
+        job: its error reply is read as no hash, as the scripts read it
+        (include/read_job.lua), so a rebuild pushes the job over it instead
+        of every reconcile pass failing.
+        """
         k = self.keys(queue)
         with self.client.pipeline(transaction=False) as pipe:
             for job_id in job_ids:
                 pipe.hmget(k.job(job_id), "state", "attempts", "last_error", "gen")
-            replies = pipe.execute()
-        return {
-            job_id: {"state": state, "attempts": attempts or "0", "last_error": error or "",
-                     "gen": gen or "0"}
-            for job_id, (state, attempts, error, gen) in zip(job_ids, replies, strict=True)
-            if state is not None
-        }
+            replies = pipe.execute(raise_on_error=False)
+        held: dict[str, dict[str, str]] = {}
+        for job_id, reply in zip(job_ids, replies, strict=True):
+            if isinstance(reply, Exception) or reply[0] is None:
+                continue
+            state, attempts, error, gen = reply
+            held[job_id] = {"state": state, "attempts": attempts or "0",
+                            "last_error": error or "", "gen": gen or "0"}
+        return held
+
+    def progress(self, jobs: Sequence[tuple[str, str]]) -> dict[str, Progress]:
+        """The progress of each job Redis holds, by id; ``jobs`` are (queue, id) pairs.
+
+        One pipelined round trip whatever the queues. A job is started when
+        its hash's ``started`` (the attempt start.lua last marked) is its
+        current attempt: a claimed job whose task has not begun is not. A
+        key of another type under a job's name holds no job, as in
+        :meth:`held_states`.
+        """
+        with self.client.pipeline(transaction=False) as pipe:
+            for queue, job_id in jobs:
+                pipe.hmget(self.keys(queue).job(job_id), "state", "attempts", "started")
+            answers = pipe.execute(raise_on_error=False)
+        found: dict[str, Progress] = {}
+        for (_, job_id), reply in zip(jobs, answers, strict=True):
+            if isinstance(reply, Exception) or reply[0] is None:
+                continue
+            state, attempts, started = reply
+            found[job_id] = Progress(state, started is not None and started == attempts)
+        return found
+
+    def dead_since(self, queue: str, *, before_ms: int, start: int, count: int
+                   ) -> tuple[list[str], bool]:
+        """Ids of the dead set by rank from ``start`` (``count`` at most) that died
+        before ``before_ms``; and whether the set goes on past them."""
+        found = self.client.zrange(self.keys(queue).dead, start, start + count - 1,
+                                   withscores=True)
+        return [job_id for job_id, died in found if died < before_ms], len(found) == count
 
     def counts(self, queue: str) -> QueueCounts:
         """Ids on each list; queued adds up every priority band (at most 201 lists).

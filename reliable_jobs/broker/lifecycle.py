@@ -129,12 +129,13 @@ class Lifecycle(BrokerCore):
 
     def start(self, queue: str, held: Sequence[Fence]) -> list[Applied]:
         """Mark held attempts as started: DONE (run it), CANCELLED (do not run it,
-        ack it) or REFUSED (no longer held)."""
+        ack it), EXPIRED (its lease ran out: do not run it, let go of it; the
+        sweep requeues it) or REFUSED (no longer held)."""
         if not held:
             return []
         k = self.keys(queue)
         args = [x for fence in held for x in fence]
-        return _applied(self._run("start", (k.job_prefix,), args))
+        return _applied(self._run("start", (k.leases, k.job_prefix), args))
 
     def ack(self, queue: str, held: Sequence[Fence]) -> list[Applied]:
         """Finish jobs: DONE, CANCELLED (marked while it ran, finished as cancelled)

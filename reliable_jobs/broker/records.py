@@ -21,7 +21,8 @@ Fence = tuple[str, int, int]
 class Applied(IntEnum):
     """What a fenced script did with one token: its per-group reply.
 
-    An int, so code that only asks "was it held?" can treat it as a bool.
+    An int, so code that only asks "may I go on with it?" can treat it as a
+    bool: REFUSED and EXPIRED are false.
     """
 
     #: The token is no longer current: nothing was done.
@@ -32,6 +33,14 @@ class Applied(IntEnum):
     #: and says so; start did not mark it; ack, nack and release finished
     #: it as cancelled instead.
     CANCELLED = 2
+    #: start only: the token is current but the claim's lease has expired, so
+    #: the sweep may be giving the job to another worker right now. Not
+    #: marked started and not to be run: its holder lets go of it, and the
+    #: sweep requeues it as a claim that never started (its attempt given back).
+    EXPIRED = 3
+
+    def __bool__(self) -> bool:
+        return self in (Applied.DONE, Applied.CANCELLED)
 
 
 def _applied(replies: Sequence[Any]) -> list[Applied]:
@@ -56,6 +65,16 @@ class NewJob:
     gen: int = 0
     #: -100 to 100, higher runs first (Django's range); 0 keeps the plain list.
     priority: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """Where a job hash says its job is: the hash's state ('queued',
+    'scheduled', 'running', 'dead', 'finished', 'cancelled'), and whether the
+    task of its current attempt has begun (start.lua marked it)."""
+
+    state: str
+    started: bool
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,8 +30,10 @@ outcomes are final. The rules, by the names the two paths use:
   it ran) is recorded as cancelled, whatever it returned or raised: the job
   ends either succeeded (its outcome reached the mirror first, and the
   cancel is refused) or cancelled, never both;
-- "abandoned closed": an earlier attempt still open when a later one is
-  written is closed as lease_expired, so no attempt stays "running";
+- "abandoned closed": an earlier attempt still open when a later one of
+  the row's generation is written is closed as lease_expired, so no attempt
+  stays "running" (a stale holder's record, of an older generation, closes
+  nothing: the open attempt may be the one that holds the job now);
 - "lock order": every writer locks the rows it moves first, in id order.
 
 A unique job's key (``Job.unique_key``) counts only while the row is
@@ -43,6 +45,15 @@ clears the key first, and :func:`insert_unique_jobs` is the only reader.
 Worker writes arrive in batches (one transaction per batch); a failed batch
 is retried by the caller, never dropped, and the Redis ack waits for it.
 
+Clocks (G4): ``updated_at``, what reconcile's grace period compares, is
+stamped with the database's clock by the worker batches, the staff writes
+and ``bury`` (``statement_timestamp()`` in ``postgres``' SQL, Django's
+``Now()`` through the ORM) and by PostgreSQL's single-row INSERTs; new rows
+of a bulk enqueue (and every new row on the portable path) carry the
+producer's clock, and :func:`mark_rebuilt` the time its caller passes.
+Event times (enqueued, started, finished) are the clock of the process that
+saw the event.
+
 A staff action locks the job's row, acts in Redis, then writes the row in
 the same transaction: a worker's write about the attempt the action lets
 run waits for that commit, so it lands after the action's, never under it.
@@ -51,12 +62,12 @@ run waits for that commit, so it lands after the action's, never under it.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import connections, transaction
-from django.db.models.functions import Greatest
+from django.db.models.functions import Greatest, Now
 from django.utils import timezone
 
 from ..models import UNFINISHED_STATES, Job, JobState
@@ -65,8 +76,10 @@ from .prune import delete_jobs, lock_prunable
 from .reconcile import (
     LOCKED_ELSEWHERE,
     RowState,
+    existing,
     grace_cutoff,
     lock_for_recovery,
+    lock_recent_cancels,
     lock_unfinished,
     next_generation,
     reconcile_candidates,
@@ -89,8 +102,10 @@ from .records import (
 __all__ = [
     "ABANDONED_ERROR", "CANCELLED_ERROR", "FINISHED_STATES", "LOCKED_ELSEWHERE", "LOSS_OUTCOMES",
     "MAX_ATTEMPT", "RAN_OUTCOMES", "TERMINAL_STATES", "AttemptRecord", "NewJobs", "RowState",
-    "bury", "cancelled_record", "delete_jobs", "expired_record", "grace_cutoff", "insert_job",
+    "bury", "cancelled_record", "delete_jobs", "existing", "expired_record",
+    "follow_held_generation", "grace_cutoff", "insert_job",
     "insert_new_jobs", "insert_unique_jobs", "lock_for_recovery", "lock_job", "lock_prunable",
+    "lock_recent_cancels",
     "lock_unfinished", "mark_cancelled", "mark_priority", "mark_queued_again", "mark_rebuilt",
     "next_generation", "raise_budgets", "reconcile_candidates", "record",
 ]
@@ -132,8 +147,15 @@ def insert_new_jobs(using: str, new: NewJobs) -> None:
 _UNIQUE_ROUNDS = 5
 
 
+#: Asked by insert_unique_jobs about the rows that hold keys: each one's
+#: state as Redis has it now (a JobState value), by job id; a job Redis
+#: does not hold is left out.
+StatesInRedis = Callable[[Sequence[Job]], Mapping[str, str]]
+
+
 def insert_unique_jobs(using: str, jobs: Sequence[Job], *, window_ms: int,
-                       while_running: bool, now: datetime) -> list[Job]:
+                       while_running: bool, now: datetime,
+                       states_in_redis: StatesInRedis) -> list[Job]:
     """Insert each job unless an unfinished job holds its ``unique_key``.
 
     Returns, per job in order, the job that holds its key: the job itself
@@ -146,7 +168,10 @@ def insert_unique_jobs(using: str, jobs: Sequence[Job], *, window_ms: int,
 
     A holder counts while it is queued or scheduled (running too with
     ``while_running``) and its window lasts: ``window_ms`` from its enqueue,
-    or from its run_after when that is later. One that no longer counts
+    or from its run_after when that is later. Its state is Redis's
+    (``states_in_redis``), which runs ahead of the row: a worker's start and
+    finish records reach the database batched, so a row still says queued
+    while its task runs, or after it ended. One that no longer counts
     gives its key up here (the row keeps its state; the caller's
     transaction holds its lock until it ends), and the job is inserted in
     its place.
@@ -166,10 +191,11 @@ def insert_unique_jobs(using: str, jobs: Sequence[Job], *, window_ms: int,
         if not taken:
             break
         found = _key_holders(using, [str(job.unique_key) for job in taken])
+        states = _states_now(using, found, window, while_running, now, states_in_redis)
         pending, stale = [], []
         for job in taken:
             row = found.get(str(job.unique_key))
-            if row is not None and _holds_key(row, window, while_running, now):
+            if row is not None and _holds_key(row, states[row.pk], window, while_running, now):
                 holders[str(job.unique_key)] = row
                 continue
             if row is not None:
@@ -199,9 +225,36 @@ def _key_holders(using: str, keys: Sequence[str]) -> dict[str, Job]:
     return {str(row.unique_key): row for row in rows}
 
 
-def _holds_key(row: Job, window: timedelta, while_running: bool, now: datetime) -> bool:
-    """Whether an unfinished job still holds its unique key for an equal call."""
-    if row.state == JobState.RUNNING and not while_running:
+def _states_now(using: str, found: dict[str, Job], window: timedelta, while_running: bool,
+                now: datetime, states_in_redis: StatesInRedis) -> dict[uuid.UUID, str | None]:
+    """The state of each key holder now (None: it finished since it was read).
+
+    Redis is asked about the holders the rows say count, in one round trip.
+    One Redis does not hold was not pushed yet (its enqueue just committed,
+    or Redis was down), or its hash was freed since the look-up; a worker
+    writes the row before it frees the hash, so a second look-up, after
+    Redis's answer, tells the two apart.
+    """
+    states: dict[uuid.UUID, str | None] = {row.pk: row.state for row in found.values()}
+    asked = [row for row in found.values() if _holds_key(row, row.state, window,
+                                                          while_running, now)]
+    if not asked:
+        return states
+    in_redis = states_in_redis(asked)
+    states.update((row.pk, in_redis[str(row.pk)]) for row in asked if str(row.pk) in in_redis)
+    absent = [str(row.unique_key) for row in asked if str(row.pk) not in in_redis]
+    if absent:
+        again = _key_holders(using, absent)
+        for key in absent:
+            row, now_row = found[key], again.get(key)
+            states[row.pk] = now_row.state if now_row is not None and now_row.pk == row.pk else None
+    return states
+
+
+def _holds_key(row: Job, state: str | None, window: timedelta, while_running: bool,
+               now: datetime) -> bool:
+    """Whether an unfinished job, now in ``state``, still holds its unique key for an equal call."""
+    if state not in UNFINISHED_STATES or (state == JobState.RUNNING and not while_running):
         return False
     start = max(row.enqueued_at, row.run_after) if row.run_after else row.enqueued_at
     return start + window > now
@@ -269,6 +322,23 @@ def mark_rebuilt(using: str, rows: Sequence[Job], *, now: datetime) -> None:
             else JobState.QUEUED)
 
 
+def follow_held_generation(using: str, job_id: Any, *, committed: int, held: int) -> bool:
+    """Put a rebuilt row back on the older generation Redis holds; True if it moved.
+
+    A rebuild commits the row's new generation before it pushes (see
+    sweep.push_rebuilt); when Redis refuses that push because an older
+    incarnation of the job got there first (a late push, claimed or buried
+    before the rebuild's push arrived), that incarnation is the job, and its
+    records must land. Fenced by the generation committed: a row a newer
+    rebuild has moved since is left alone. Nobody holds a token of the
+    committed generation (its push was refused), so none is orphaned.
+    """
+    if held >= committed:
+        return False
+    return bool(Job.objects.using(using).filter(
+        pk=job_id, generation=committed, state__in=UNFINISHED_STATES).update(generation=held))
+
+
 def raise_budgets(using: str, budgets: dict[str, int]) -> None:
     """Mirror refunds: a claim that never started gave its job one more attempt."""
     jobs = Job.objects.using(using)
@@ -279,11 +349,10 @@ def raise_budgets(using: str, budgets: dict[str, int]) -> None:
 
 def bury(using: str, job_id: str, *, attempts: int, gen: int, error: str) -> None:
     """Mirror a death Redis already recorded (for example by recover), fenced."""
-    now = timezone.now()
     Job.objects.using(using).filter(pk=job_id, state__in=UNFINISHED_STATES, generation=gen,
                                     attempts__lte=attempts).update(
         state=JobState.DEAD, attempts=Greatest("attempts", attempts), last_error=error,
-        finished_at=now, updated_at=now,
+        finished_at=timezone.now(), updated_at=Now(),
     )
 
 
@@ -307,7 +376,7 @@ def mark_queued_again(using: str, job: Job, *, max_attempts: int,
     """
     changes: dict[str, Any] = {"state": JobState.QUEUED, "max_attempts": max_attempts,
                                "generation": job.generation, "attempts": job.attempts,
-                               "finished_at": None, "updated_at": timezone.now()}
+                               "finished_at": None, "updated_at": Now()}
     if job.state in FINISHED_STATES:
         # Its unique key was freed when it finished and may have a new holder:
         # the job runs again without one (keeping it could break the index).
@@ -319,9 +388,8 @@ def mark_queued_again(using: str, job: Job, *, max_attempts: int,
 
 def mark_cancelled(using: str, job_id: Any) -> None:
     """Mirror a cancel Redis already applied (the job was taken off its list)."""
-    now = timezone.now()
     Job.objects.using(using).filter(pk=job_id).update(
-        state=JobState.CANCELLED, finished_at=now, updated_at=now)
+        state=JobState.CANCELLED, finished_at=timezone.now(), updated_at=Now())
 
 
 def mark_priority(using: str, job_id: Any, priority: int) -> None:
@@ -330,5 +398,4 @@ def mark_priority(using: str, job_id: Any, priority: int) -> None:
     The row's priority is what a rebuild from the mirror pushes again, so a
     job Redis loses later comes back at the priority staff gave it.
     """
-    Job.objects.using(using).filter(pk=job_id).update(priority=priority,
-                                                      updated_at=timezone.now())
+    Job.objects.using(using).filter(pk=job_id).update(priority=priority, updated_at=Now())

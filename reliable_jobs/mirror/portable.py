@@ -3,7 +3,10 @@
 Taken on every database but PostgreSQL (the test suite runs it on SQLite).
 Each function here does what its namesake in ``postgres`` does, and each
 fencing rule (see the package docstring) is written once here, as Python
-and querysets, under the rule's name.
+and querysets, under the rule's name. Clocks: the worker batches stamp
+``updated_at`` with the database's clock (Django's ``Now()``) as
+``postgres`` does; new rows are inserted with the producer's clock
+(``Model.save()`` and ``bulk_create`` take values, not expressions).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Any
 
 from django.db import IntegrityError, transaction
 from django.db.models import Q
-from django.db.models.functions import Coalesce
+from django.db.models.functions import Coalesce, Now
 from django.utils import timezone
 
 from ..faults import stop_point
@@ -106,8 +109,11 @@ def write_batch(using: str, merged: Sequence[AttemptRecord],
                         and (rec.job_id, rec.attempt) in lost):
                     continue  # the worker lost this attempt: its late result is not the job's
                 fenced.update(**_job_changes(rec, now))
-        # Rule "abandoned closed": every retried job's newest record, whatever its generation.
-        for retried in chunks([rec for rec in newest.values() if rec.attempt > 1]):
+        # Rule "abandoned closed": every retried job's newest record; under rule
+        # "generation fence" only one of the row's generation, so a stale
+        # holder's late record never closes the attempt that holds the job now.
+        for retried in chunks([rec for rec in newest.values()
+                               if rec.attempt > 1 and known.get(rec.job_id) == rec.gen]):
             closing = Q(pk__in=[])
             for rec in retried:
                 closing |= Q(job_id=rec.job_id, number__lt=rec.attempt)
@@ -163,7 +169,9 @@ def _any_of(pairs: Iterable[tuple[str, int]]) -> Q:
 
 def _job_changes(rec: AttemptRecord, now: datetime) -> dict[str, Any]:
     """The columns postgres.UPDATE_JOBS sets, for one record."""
-    changes: dict[str, Any] = {"state": rec.job_state, "attempts": rec.attempt, "updated_at": now}
+    # updated_at on the database's clock (Django's Now()), as postgres.UPDATE_JOBS.
+    changes: dict[str, Any] = {"state": rec.job_state, "attempts": rec.attempt,
+                               "updated_at": Now()}
     if rec.started_at:
         changes["started_at"] = Coalesce("started_at", rec.started_at)
     if rec.job_state in TERMINAL_STATES or rec.job_state == JobState.CANCELLED:

@@ -40,15 +40,22 @@ from .records import (
 
 # -- new jobs -------------------------------------------------------------
 
-#: Columns the single INSERT writes for a new job (the rest keep their defaults: NULL or 0).
+#: Columns the single INSERT writes for a new job from parameters (the rest
+#: keep their defaults, NULL or 0, but ``updated_at``: see INSERT_JOB).
 COPY_COLUMNS = ("id", "backend", "queue", "shard", "task_path", "args", "kwargs", "priority",
                 "state", "attempts", "generation", "max_attempts", "run_after", "enqueued_at",
-                "updated_at", "last_error")
+                "last_error")
+
+#: ``updated_at`` as every INSERT and UPDATE here writes it: the database's
+#: clock (G4), the one reconcile's grace period is measured on
+#: (reconcile.grace_cutoff), whatever the writing process's clock says. Only
+#: the COPY of a bulk enqueue cannot: it writes the producer's clock.
+DATABASE_NOW = "statement_timestamp()"
 
 #: One new job, prepared once: building it with ``Model.save()`` cost about
 #: as much Python as the round trip itself.
-INSERT_JOB = (f"INSERT INTO {Job._meta.db_table} ({', '.join(COPY_COLUMNS)}) "
-              f"VALUES ({', '.join(['%s'] * len(COPY_COLUMNS))})")
+INSERT_JOB = (f"INSERT INTO {Job._meta.db_table} ({', '.join(COPY_COLUMNS)}, updated_at) "
+              f"VALUES ({', '.join(['%s'] * len(COPY_COLUMNS))}, {DATABASE_NOW})")
 
 
 def row_values(job: Job) -> tuple[Any, ...]:
@@ -56,7 +63,7 @@ def row_values(job: Job) -> tuple[Any, ...]:
     return (job.id, job.backend, job.queue, job.shard, job.task_path,
             json.dumps(job.args), json.dumps(job.kwargs), job.priority, job.state,
             job.attempts, job.generation, job.max_attempts, job.run_after, job.enqueued_at,
-            job.updated_at, job.last_error)
+            job.last_error)
 
 
 def insert_job(connection: BaseDatabaseWrapper, job: Job) -> None:
@@ -111,8 +118,9 @@ def insert_new_jobs(connection: BaseDatabaseWrapper, new: NewJobs) -> None:
             ]))
 
 
-#: The columns insert_new_job_sql() takes as parameters, in order; the rest are literals.
-ONE_JOB_PARAMETERS = ("id", "shard", "args", "kwargs", "enqueued_at", "updated_at")
+#: The columns insert_new_job_sql() takes as parameters, in order; the rest are
+#: literals, and updated_at the database's clock (DATABASE_NOW).
+ONE_JOB_PARAMETERS = ("id", "shard", "args", "kwargs", "enqueued_at")
 
 
 @lru_cache(maxsize=256)
@@ -122,7 +130,7 @@ def insert_new_job_sql(backend: str, queue: str, task_path: str, priority: int, 
     job of its task as SQL literals (quoted by psycopg), six parameters for the rest.
 
     Each parameter costs the driver a value to adapt per call (a datetime
-    about 10 µs), so a single enqueue sends six texts and an integer instead
+    about 10 µs), so a single enqueue sends five texts and an integer instead
     of sixteen values of seven types.
     """
     from psycopg.sql import Literal  # here: the mirror imports this module on every database
@@ -132,7 +140,8 @@ def insert_new_job_sql(backend: str, queue: str, task_path: str, priority: int, 
         backend, queue, task_path, priority, state, 0, 0, max_attempts, run_after, ""))
     return (f"INSERT INTO {Job._meta.db_table} ({', '.join(ONE_JOB_PARAMETERS)}, "
             "backend, queue, task_path, priority, state, attempts, generation, max_attempts, "
-            f"run_after, last_error) VALUES (%s, %s, %s, %s, %s, %s, {literals})")
+            f"run_after, last_error, updated_at) VALUES (%s, %s, %s, %s, %s, {literals}, "
+            f"{DATABASE_NOW})")
 
 
 def insert_new_job(connection: BaseDatabaseWrapper, new: NewJobs) -> None:
@@ -144,14 +153,13 @@ def insert_new_job(connection: BaseDatabaseWrapper, new: NewJobs) -> None:
     [(job_id, shard, args, kwargs)] = new.rows
     sql = insert_new_job_sql(new.backend, new.queue, new.task_path, new.priority, new.state,
                              new.max_attempts, new.run_after)
-    now = new.enqueued_at.isoformat()
     with connection.cursor() as cursor:
-        cursor.execute(sql, (job_id, shard, args, kwargs, now, now))
+        cursor.execute(sql, (job_id, shard, args, kwargs, new.enqueued_at.isoformat()))
 
 
 # -- unique keys ----------------------------------------------------------
 
-UNIQUE_COLUMNS = (*COPY_COLUMNS, "unique_key")
+UNIQUE_COLUMNS = (*COPY_COLUMNS, "unique_key")  # and updated_at, DATABASE_NOW
 #: Rows per INSERT_UNIQUE (17 parameters each).
 UNIQUE_BATCH = 500
 
@@ -170,8 +178,8 @@ def key_holders(using: str, keys: Sequence[str]) -> Iterable[Job]:
 @lru_cache(maxsize=8)
 def insert_unique(rows: int) -> str:
     """INSERT of ``rows`` new jobs with their keys, skipping those whose key is taken."""
-    row = "(" + ", ".join(["%s"] * len(UNIQUE_COLUMNS)) + ")"
-    return (f"INSERT INTO {Job._meta.db_table} ({', '.join(UNIQUE_COLUMNS)}) "
+    row = "(" + ", ".join(["%s"] * len(UNIQUE_COLUMNS)) + f", {DATABASE_NOW})"
+    return (f"INSERT INTO {Job._meta.db_table} ({', '.join(UNIQUE_COLUMNS)}, updated_at) "
             f"VALUES {', '.join([row] * rows)} ON CONFLICT DO NOTHING RETURNING id")
 
 
@@ -291,7 +299,7 @@ UPDATE {Job._meta.db_table} AS j SET
                         ELSE j.return_value END,
     last_error = COALESCE(NULLIF(v.error, ''), j.last_error),
     run_after = COALESCE(v.retry_at, j.run_after),
-    updated_at = now()
+    updated_at = {DATABASE_NOW}
 FROM unnest({_column("uuid")}, {_column("int")}, {_column("text")},
             {_column("timestamptz", nullable=True)}, {_column("timestamptz", nullable=True)},
             {_column("text", nullable=True)}, {_column("text")}, {_column("int")},
@@ -308,12 +316,17 @@ WHERE j.id = v.id AND j.generation = v.gen AND j.attempts <= v.attempt
 """
 
 #: Rule "abandoned closed": an earlier attempt still open when a later one is
-#: written is closed as lease_expired, whatever the record's generation.
+#: written is closed as lease_expired; under rule "generation fence" only by a
+#: record of the row's generation (the EXISTS): a stale holder's late record
+#: (a higher attempt number from before a rebuild) never closes the attempt
+#: that holds the job now.
 CLOSE_ABANDONED = f"""
 UPDATE {Attempt._meta.db_table} AS a
 SET outcome = 'lease_expired', finished_at = now(), error = %s
-FROM unnest({_column("uuid")}, {_column("int")}) AS v(job_id, attempt)
+FROM unnest({_column("uuid")}, {_column("int")}, {_column("int")}) AS v(job_id, attempt, gen)
 WHERE a.job_id = v.job_id AND a.number < v.attempt AND a.outcome = ''
+  AND EXISTS (SELECT 1 FROM {Job._meta.db_table} j WHERE j.id = v.job_id
+              AND j.generation = v.gen)
 """
 
 
@@ -339,7 +352,8 @@ def write_batch(using: str, merged: Sequence[AttemptRecord],
         if retried:
             cursor.execute(CLOSE_ABANDONED, [ABANDONED_ERROR,
                                              _joined_text([r.job_id for r in retried]),
-                                             _joined_ints([r.attempt for r in retried])])
+                                             _joined_ints([r.attempt for r in retried]),
+                                             _joined_ints([r.gen for r in retried])])
 
 
 class _Columns:

@@ -5,7 +5,7 @@ The one place rows are deleted: a finished job's history goes with it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -17,10 +17,11 @@ from .records import FINISHED_STATES
 
 
 def lock_prunable(using: str, *, backend: str, state: str, unchanged_since: datetime,
-                  limit: int) -> list[tuple[Any, str]]:
+                  limit: int, keep: Collection[Any] = ()) -> list[tuple[Any, str]]:
     """Lock up to ``limit`` finished ``state`` jobs unchanged since the cutoff.
 
-    Returns (id, physical queue) pairs.
+    Returns (id, physical queue) pairs, none of ``keep`` (rows an earlier
+    batch left alone because Redis still holds their job unfinished).
 
     One state per query, oldest first, so the walk is a range scan of the
     (state, updated_at) index however many rows there are. A finished row's
@@ -33,6 +34,7 @@ def lock_prunable(using: str, *, backend: str, state: str, unchanged_since: date
         raise ValueError(f"Only finished jobs are pruned, not {state!r} ones.")
     rows = (Job.objects.using(using).select_for_update(skip_locked=True)
             .filter(backend=backend, state=state, updated_at__lt=unchanged_since)
+            .exclude(pk__in=list(keep))
             .order_by("updated_at")
             .values_list("pk", "queue", "shard")[:limit])
     return [(pk, shard_queue(queue, shard)) for pk, queue, shard in rows]

@@ -16,7 +16,7 @@ from django.db import connections
 from django.db.models import Max
 from django.utils import timezone
 
-from ..models import UNFINISHED_STATES, Attempt, Job
+from ..models import UNFINISHED_STATES, Attempt, Job, JobState
 from .records import is_uuid
 
 
@@ -107,3 +107,24 @@ def next_generation(using: str, rows: Sequence[Job]) -> None:
     for row in rows:
         row.generation += 1
         row.attempts = max(row.attempts, highest.get(row.pk) or 0)
+
+
+def lock_recent_cancels(using: str, *, backend: str, since: datetime, after_id: str | None,
+                        limit: int) -> list[Job]:
+    """Lock, in id order after ``after_id``, the jobs cancelled since ``since``.
+
+    For the caller's transaction. A row another transaction holds (a staff
+    requeue making it unfinished again) is skipped, not waited for.
+    """
+    rows = Job.objects.using(using).select_for_update(skip_locked=True).filter(
+        backend=backend, state=JobState.CANCELLED, updated_at__gte=since)
+    if after_id is not None:
+        rows = rows.filter(pk__gt=after_id)
+    return list(rows.order_by("pk")[:limit])
+
+
+def existing(using: str, job_ids: Sequence[str]) -> set[str]:
+    """Those of ``job_ids`` that have a row (ids that are no UUID never do)."""
+    ids = [job_id for job_id in job_ids if is_uuid(job_id)]
+    return {str(pk) for pk in Job.objects.using(using).filter(pk__in=ids)
+            .values_list("pk", flat=True)}

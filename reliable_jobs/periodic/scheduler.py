@@ -17,8 +17,11 @@ one enqueues the slot), one that dies after it leaves both (nobody enqueues
 it again, and a push lost with it is redone by reconcile from the job row),
 two schedulers never both commit a slot (the lock serialises them, and the
 unique key would refuse the second even without it), and Redis losing its
-data touches neither row. Clock: "now" is the database's (``SELECT now()``
-on PostgreSQL), the clock of the rows that prove what happened.
+data touches neither row. Clocks: "now", which slots are due, is the
+database's (``SELECT now()`` on PostgreSQL), the clock of the rows that
+prove what happened; the wait until a schedule's next slot is measured on
+this process's monotonic clock, so a step of the worker's wall clock (NTP,
+a resumed virtual machine) neither delays a slot nor makes it "missed".
 """
 
 from __future__ import annotations
@@ -56,6 +59,11 @@ ON_TIME_MS = 10_000
 MAX_SLOTS_PER_PASS = 100
 #: Pause between two passes, in seconds.
 PASS_INTERVAL_S = 0.25
+#: Longest wait, in seconds, before a schedule is looked at again (its row
+#: locked, the database's clock read), however far its next slot: a wait
+#: measured on this machine's monotonic clock drifts little from the
+#: database's clock in that time.
+MAX_WAIT_S = 60.0
 
 
 @dataclass
@@ -160,11 +168,12 @@ class Scheduler:
         self.database = backend.config.DATABASE
         self._declared: dict[str, Declaration] = {}
         self._tasks: dict[str, Task[..., Any]] = {}
-        #: When each schedule's next slot falls (on the database's clock), so a
-        #: pass locks only rows with something due.
+        #: When each schedule's next slot falls (on the database's clock).
         self._next_due: dict[str, datetime] = {}
-        #: The database's clock minus this process's, as last measured.
-        self._skew = timedelta(0)
+        #: The same moment on this process's ``time.monotonic()`` clock (at
+        #: most MAX_WAIT_S ahead), so a pass locks only rows with something
+        #: due, whatever this machine's wall clock does meanwhile.
+        self._wake_at: dict[str, float] = {}
         #: Schedules whose last pass failed with an error already logged.
         self._failing: set[str] = set()
 
@@ -225,10 +234,11 @@ class Scheduler:
     def run_pass(self, now: datetime | None = None) -> PassReport:
         """Fire every declared schedule that has a slot due (``now``: for tests)."""
         report = PassReport()
-        estimate = now or timezone.now() + self._skew
         for name in sorted(self._declared):
             due = self._next_due.get(name)
-            if due is not None and estimate < due:
+            if now is not None and due is not None and now < due:
+                continue
+            if now is None and time.monotonic() < self._wake_at.get(name, 0.0):
                 continue
             try:
                 report.add(self.fire(name, now))
@@ -255,17 +265,20 @@ class Scheduler:
             if row is None:
                 report.busy = 1
                 return report
+            measured = time.monotonic()
             if now is None:
                 now = database_now(self.database)
-                self._skew = now - timezone.now()
             start = max(row.fire_after, row.cursor_at or row.fire_after)
             if not row.enabled:
                 self._next_due.pop(name, None)
+                self._wake_at.pop(name, None)
                 return report
             plan = decide(declaration.timetable, declaration.catch_up, start, now)
             # The next slot after those decided: still due when a capped pass
             # left some for the next one.
-            self._next_due[name] = next(iter(declaration.timetable.after(plan.cursor or start)))
+            due = self._next_due[name] = next(iter(declaration.timetable.after(
+                plan.cursor or start)))
+            self._wake_at[name] = measured + min((due - now).total_seconds(), MAX_WAIT_S)
             if plan.cursor is None:
                 return report
             stop_point("scheduler_decided")

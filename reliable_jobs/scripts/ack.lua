@@ -34,6 +34,10 @@ local job_prefix = KEYS[2]
 
 --- @include "fence"
 
+--- @include "read_job"
+
+--- @include "tombstone"
+
 local tombstone_ms = tonumber(ARGV[1])
 if tombstone_ms == nil or tombstone_ms ~= math.floor(tombstone_ms) or tombstone_ms < 1
     or tombstone_ms > 4503599627370496 then
@@ -44,23 +48,19 @@ local results, done_ids, done_keys = {}, {}, {}
 for i = 2, #ARGV, 3 do
   local job_id = ARGV[i]
   local job_key = job_prefix .. job_id
-  local job = redis.call('HMGET', job_key, 'state', 'attempts', 'gen', 'cancel')
+  local job = read_job(job_id, 'state', 'attempts', 'gen', 'cancel')
   local gen = job[3] or '0'
   if holds(job, ARGV[i + 1], ARGV[i + 2]) then
     done_ids[#done_ids + 1] = job_id
     if job[4] then
       -- Marked for cancellation while it ran: finished as cancelled.
-      redis.call('DEL', job_key)
-      redis.call('HSET', job_key, 'state', 'cancelled', 'gen', gen)
-      redis.call('PEXPIRE', job_key, tombstone_ms)
+      leave_tombstone(job_id, 'cancelled', gen, tombstone_ms)
       results[#results + 1] = 2
     elseif gen == '0' then
       done_keys[#done_keys + 1] = job_key
       results[#results + 1] = 1
     else
-      redis.call('DEL', job_key)
-      redis.call('HSET', job_key, 'state', 'finished', 'gen', gen)
-      redis.call('PEXPIRE', job_key, tombstone_ms)
+      leave_tombstone(job_id, 'finished', gen, tombstone_ms)
       results[#results + 1] = 1
     end
   else

@@ -31,9 +31,13 @@ local queued_key = KEYS[1]
 local scheduled_key = KEYS[2]
 local job_prefix = KEYS[3]
 
+--- @include "read_job"
+
+--- @include "tombstone"
+
 local job_id = ARGV[1]
 local job_key = job_prefix .. job_id
-local state = redis.call('HGET', job_key, 'state') or ''
+local state = read_job(job_id, 'state')[1] or ''
 if state == 'queued' then
   redis.call('HSET', job_key, 'state', 'cancelled')
   return { 1, state }
@@ -41,12 +45,10 @@ end
 if state == 'scheduled' and redis.call('ZREM', scheduled_key, job_id) > 0 then
   local tombstone_ms = tonumber(ARGV[2])
   if tombstone_ms == nil or tombstone_ms ~= math.floor(tombstone_ms) or tombstone_ms < 1 then
-    tombstone_ms = 3600000
+    tombstone_ms = CANCELLED_TOMBSTONE_MS
   end
   local gen = redis.call('HGET', job_key, 'gen') or '0'
-  redis.call('DEL', job_key)
-  redis.call('HSET', job_key, 'state', 'cancelled', 'gen', gen)
-  redis.call('PEXPIRE', job_key, tombstone_ms)
+  leave_tombstone(job_id, 'cancelled', gen, tombstone_ms)
   return { 1, state }
 end
 if state == 'running' then

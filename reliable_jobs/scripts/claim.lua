@@ -60,8 +60,10 @@
   database. A copy of an id whose job is not 'queued' is a stray and
   dropped: a 'running' job's own record is its entry in leases, which this
   script never touches for it. The id of a job cancelled while queued
-  (state 'cancelled', see cancel.lua) is dropped with its hash: that is
-  where a cancel takes effect.
+  (state 'cancelled', see cancel.lua) is dropped, and its hash becomes a
+  tombstone for CANCELLED_TOMBSTONE_MS (an hour, see the tombstone include):
+  that is where a cancel takes effect, and a late push of the job is still
+  refused after it.
 
   attempts, gen and max_attempts are read as whole numbers from 0 (1) to
   2^31 - 1 (the mirror's integer columns) whatever the hash holds, and
@@ -125,6 +127,10 @@ end
 --- @include "stray"
 
 --- @include "server_clock"
+
+--- @include "tombstone"
+
+--- @include "read_job"
 
 local now = now_ms()
 local deadline_ms = now + lease_ms
@@ -201,7 +207,9 @@ elseif wanted > 0 then
     for _, band in ipairs(bands) do
       local head = head_of(band)
       if head then
-        local ms = tonumber(redis.call('HGET', job_prefix .. head, 'enqueued_ms')) or 0
+        -- (read_job: a head whose key is not a hash reads as 0, is taken
+        -- first and moved aside as garbage below.)
+        local ms = tonumber(read_job(head, 'enqueued_ms')[1]) or 0
         -- Bands go highest first: on a tie (the same ms) the lower one wins.
         if oldest_ms == nil or ms <= oldest_ms then
           oldest, oldest_ms = band, ms
@@ -232,14 +240,11 @@ end
 local jobs, dead, garbage, lease_args = {}, {}, {}, {}
 for index, job_id in ipairs(ids) do
   local job_key = job_prefix .. job_id
-  -- pcall: a key of another type under a job's name (written by hand) makes
-  -- HMGET fail; the id is then garbage like one with a damaged hash, instead
-  -- of an error that would end this script after the ids left queued.
-  local job = redis.pcall('HMGET', job_key, 'state', 'attempts', 'max_attempts', 'payload',
-    'gen', 'ready_ms', 'enqueued_ms', 'priority')
-  if job.err then
-    job = {}
-  end
+  -- A key of another type under a job's name reads as a damaged hash
+  -- (read_job): the id is garbage, never an error that would end this script
+  -- after the ids it took off their lists.
+  local job = read_job(job_id, 'state', 'attempts', 'max_attempts', 'payload', 'gen',
+    'ready_ms', 'enqueued_ms', 'priority')
   local gen = count_of(job[5], 0)
   if job[1] == false and consume_stray(job_id) then
     -- A copy left behind by a reprioritize whose job has finished since:
@@ -254,7 +259,13 @@ for index, job_id in ipairs(ids) do
     redis.call('ZADD', dead_key, now, job_id)
     garbage[#garbage + 1] = job_id
   elseif job[1] == 'cancelled' then
-    redis.call('DEL', job_key)
+    -- Cancelled while queued (cancel.lua marks the whole hash, no expiry):
+    -- its id is dropped here, and its hash cut down to a tombstone that
+    -- lives as long as a scheduled or running job's, so a late push of it
+    -- is still refused. A tombstone that already expires is left as it is.
+    if redis.call('PTTL', job_key) == -1 then
+      leave_tombstone(job_id, 'cancelled', job[5] or '0', CANCELLED_TOMBSTONE_MS)
+    end
   elseif job[1] ~= 'queued' then
     -- A stray second copy of a job that lives elsewhere (a running job's
     -- record is its lease): dropped.

@@ -22,14 +22,21 @@
                   at every rebuild from the mirror (part of the fencing
                   token, so a holder from before a rebuild is refused)
 
-  A job whose hash already exists is left alone, so the on-commit push and a
-  reconcile push of the same job can never queue it twice. A finished job
-  of a generation > 0 leaves a tombstone (state 'finished', see ack.lua),
-  and so does a job cancelled while queued ('cancelled', see cancel.lua):
-  a push of the same or an older generation (a late on-commit push) is
-  refused by it, a push of a newer generation (a rebuild) replaces it.
+  A job whose hash already exists is never queued twice, so the on-commit
+  push and a reconcile push of the same job can never run it twice. A
+  finished job of a generation > 0 leaves a tombstone (state 'finished',
+  see ack.lua), and so does a job cancelled while queued ('cancelled', see
+  cancel.lua): a push of the same or an older generation (a late on-commit
+  push) is refused by it, a push of a newer generation (a rebuild) replaces
+  it. A rebuild's row holds its new generation before the push is sent
+  (sweep.push_rebuilt), so a push of a newer generation that finds an older
+  incarnation still waiting (queued or scheduled: a late push that landed
+  after reconcile looked) takes it over where it waits: its gen, attempts
+  and max_attempts become the push's (never fewer than it had), and no
+  second copy of the id is queued. Any other hash (a claimed or dead job,
+  or one of the same or a newer generation) is left alone.
 
-  Returns: a list with 1 (written) or 0 (left alone) per job.
+  Returns: a list with 1 (written, or taken over) or 0 (left alone) per job.
   Errors: ARGV not in groups of seven, a gen that is not a whole number
   from 0 to 2^31 - 1, or a priority that is not a whole number from -100 to
   100 (nothing is written).
@@ -65,6 +72,8 @@ end
 
 --- @include "server_clock"
 
+--- @include "read_job"
+
 local now = now_ms()
 
 local written = {}
@@ -73,14 +82,27 @@ local banded = 0
 for i = 1, #ARGV, 7 do
   local job_id = ARGV[i]
   local job_key = job_prefix .. job_id
-  local found = redis.call('HMGET', job_key, 'state', 'gen')
+  local found, wrong_type = read_job(job_id, 'state', 'gen', 'attempts', 'max_attempts')
   local free = found[1] == false
-  if (found[1] == 'finished' or found[1] == 'cancelled')
-      and (tonumber(ARGV[i + 5]) or 0) > (tonumber(found[2]) or 0) then
+  local newer = (tonumber(ARGV[i + 5]) or 0) > (tonumber(found[2]) or 0)
+  local taken_over = false
+  if wrong_type then
+    -- A key of another type under the job's name (written by hand): the
+    -- job is the one to keep.
     redis.call('DEL', job_key)
     free = true
+  elseif (found[1] == 'finished' or found[1] == 'cancelled') and newer then
+    redis.call('DEL', job_key)
+    free = true
+  elseif (found[1] == 'queued' or found[1] == 'scheduled') and newer then
+    redis.call('HSET', job_key, 'gen', ARGV[i + 5],
+      'attempts', math.max(tonumber(found[3]) or 0, tonumber(ARGV[i + 4]) or 0),
+      'max_attempts', math.max(tonumber(found[4]) or 0, tonumber(ARGV[i + 2]) or 0))
+    taken_over = true
   end
-  if free then
+  if taken_over then
+    written[#written + 1] = 1
+  elseif free then
     local due_ms = tonumber(ARGV[i + 3]) or 0
     local priority = tonumber(ARGV[i + 6])
     local state = 'queued'

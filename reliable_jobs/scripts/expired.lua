@@ -27,9 +27,11 @@ end
 --- @include "count_of"
 --- @include "server_clock"
 
+--- @include "read_job"
+
 local found = {}
 for _, job_id in ipairs(redis.call('ZRANGEBYSCORE', leases_key, '-inf', now_ms(), 'LIMIT', 0, limit)) do
-  local job = redis.call('HMGET', job_prefix .. job_id, 'state', 'attempts', 'started', 'gen')
+  local job = read_job(job_id, 'state', 'attempts', 'started', 'gen')
   if job[1] == 'running' and job[2] and job[3] == job[2] then
     found[#found + 1] = job_id
     found[#found + 1] = job[2]

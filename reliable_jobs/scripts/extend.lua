@@ -25,6 +25,8 @@ local leases_key = KEYS[1]
 local job_prefix = KEYS[2]
 
 --- @include "fence"
+
+--- @include "read_job"
 --- @include "server_clock"
 
 local now = now_ms()
@@ -38,7 +40,7 @@ local deadline_ms = now + lease_ms
 local results = {}
 for i = 2, #ARGV, 3 do
   local job_id = ARGV[i]
-  local job = redis.call('HMGET', job_prefix .. job_id, 'state', 'attempts', 'gen', 'cancel')
+  local job = read_job(job_id, 'state', 'attempts', 'gen', 'cancel')
   if holds(job, ARGV[i + 1], ARGV[i + 2])
       and redis.call('ZSCORE', leases_key, job_id) then
     redis.call('ZADD', leases_key, deadline_ms, job_id)

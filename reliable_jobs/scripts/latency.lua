@@ -46,6 +46,8 @@ end
 
 --- @include "server_clock"
 
+--- @include "read_job"
+
 local now = now_ms()
 local queued = redis.call('LLEN', queued_key)
 local ready_id, ready_ms = '', 0
@@ -54,8 +56,7 @@ local ready_id, ready_ms = '', 0
 local function look_at(oldest)
   for i = #oldest, 1, -1 do
     local job_id = oldest[i]
-    local job_key = job_prefix .. job_id
-    local job = redis.call('HMGET', job_key, 'state', 'ready_ms', 'enqueued_ms')
+    local job = read_job(job_id, 'state', 'ready_ms', 'enqueued_ms')
     if job[1] == 'queued' then
       local since = tonumber(job[2]) or tonumber(job[3]) or 0
       if ready_id == '' or since < ready_ms then

@@ -44,6 +44,8 @@ local band_prefix = KEYS[8]
 --- @include "wake_marker"
 --- @include "fence"
 
+--- @include "read_job"
+
 --- @include "band_of"
 
 --- @include "band_push"
@@ -62,8 +64,7 @@ local function delay_of(value)
   return math.min(math.floor(n), 4503599627370496)
 end
 
--- How long a cancelled job's tombstone lives (broker.TOMBSTONE_MS).
-local CANCELLED_TOMBSTONE_MS = 3600000
+--- @include "tombstone"
 
 --- @include "server_clock"
 
@@ -76,13 +77,11 @@ for i = 1, #ARGV, 5 do
   local job_key = job_prefix .. job_id
   local delay_ms = delay_of(ARGV[i + 3])
   local error_text = ARGV[i + 4]
-  local job = redis.call('HMGET', job_key, 'state', 'attempts', 'gen', 'cancel', 'priority')
+  local job = read_job(job_id, 'state', 'attempts', 'gen', 'cancel', 'priority')
   if holds(job, ARGV[i + 1], ARGV[i + 2]) then
     redis.call('ZREM', leases_key, job_id)
     if job[4] then
-      redis.call('DEL', job_key)
-      redis.call('HSET', job_key, 'state', 'cancelled', 'gen', job[3] or '0')
-      redis.call('PEXPIRE', job_key, CANCELLED_TOMBSTONE_MS)
+      leave_tombstone(job_id, 'cancelled', job[3] or '0', CANCELLED_TOMBSTONE_MS)
     elseif delay_ms < 0 then
       redis.call('ZADD', dead_key, now, job_id)
       redis.call('HSET', job_key, 'state', 'dead', 'finished_ms', now, 'last_error', error_text)

@@ -36,6 +36,8 @@ local band_prefix = KEYS[6]
 
 --- @include "server_clock"
 
+--- @include "read_job"
+
 local now = now_ms()
 
 local KNOWN_STATES = {
@@ -48,7 +50,7 @@ local banded = 0
 for _, job_id in ipairs(due) do
   redis.call('ZREM', scheduled_key, job_id)
   local job_key = job_prefix .. job_id
-  local found = redis.call('HMGET', job_key, 'state', 'priority')
+  local found = read_job(job_id, 'state', 'priority')
   local state = found[1]
   if state == 'scheduled' then
     redis.call('HSET', job_key, 'state', 'queued', 'ready_ms', now)

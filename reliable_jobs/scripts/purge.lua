@@ -15,11 +15,13 @@
 local dead_key = KEYS[1]
 local job_prefix = KEYS[2]
 
+--- @include "read_job"
+
 local purged = 0
 for i = 1, #ARGV do
   local job_id = ARGV[i]
   local job_key = job_prefix .. job_id
-  local state = redis.call('HGET', job_key, 'state')
+  local state = read_job(job_id, 'state')[1]
   if state == 'dead' then
     redis.call('DEL', job_key)
     purged = purged + 1

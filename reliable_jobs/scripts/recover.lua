@@ -126,6 +126,10 @@ end
 
 --- @include "count_of"
 
+--- @include "read_job"
+
+--- @include "tombstone"
+
 local KNOWN_STATES = {
   queued = true, running = true, scheduled = true, dead = true, finished = true, cancelled = true
 }
@@ -171,7 +175,7 @@ end
 for i = 7, listed_from - 1, 5 do
   local job_id, final = ARGV[i], ARGV[i + 3]
   local job_key = job_prefix .. job_id
-  local job = redis.call('HMGET', job_key, 'state', 'attempts', 'gen', 'max_attempts')
+  local job = read_job(job_id, 'state', 'attempts', 'gen', 'max_attempts')
   local gen = job[3] or '0'
   local deadline = tonumber(redis.call('ZSCORE', leases_key, job_id))
   if holds(job, ARGV[i + 1], ARGV[i + 2])
@@ -179,9 +183,7 @@ for i = 7, listed_from - 1, 5 do
       and (final == 'succeeded' or final == 'dead' or final == 'cancelled') then
     redis.call('ZREM', leases_key, job_id)
     if final == 'cancelled' then
-      redis.call('DEL', job_key)
-      redis.call('HSET', job_key, 'state', 'cancelled', 'gen', gen)
-      redis.call('PEXPIRE', job_key, tombstone_ms)
+      leave_tombstone(job_id, 'cancelled', gen, tombstone_ms)
     elseif final == 'dead' then
       redis.call('ZADD', dead_key, now, job_id)
       redis.call('HSET', job_key, 'state', 'dead', 'finished_ms', now,
@@ -189,9 +191,7 @@ for i = 7, listed_from - 1, 5 do
     elseif gen == '0' then
       redis.call('DEL', job_key)
     else
-      redis.call('DEL', job_key)
-      redis.call('HSET', job_key, 'state', 'finished', 'gen', gen)
-      redis.call('PEXPIRE', job_key, tombstone_ms)
+      leave_tombstone(job_id, 'finished', gen, tombstone_ms)
     end
     report(job_id, count_of(job[2], 0), count_of(job[4], 1), 'settled', gen)
   end
@@ -201,8 +201,8 @@ local function held_back(job_id)
   if started_mode == 'all' then
     return false
   end
-  local job = redis.pcall('HMGET', job_prefix .. job_id, 'state', 'attempts', 'started', 'gen')
-  if job.err or job[1] ~= 'running' or not job[2] or job[3] ~= job[2] then
+  local job = read_job(job_id, 'state', 'attempts', 'started', 'gen')
+  if job[1] ~= 'running' or not job[2] or job[3] ~= job[2] then
     return false
   end
   return allowed[job_id] ~= job[2] .. ':' .. (job[4] or '0')
@@ -215,13 +215,9 @@ for _, job_id in ipairs(expired) do
     -- An orphan leased on landing leaves it (landing holds a few ids at most).
     redis.call('LREM', landing_key, 1, job_id)
     local job_key = job_prefix .. job_id
-    -- pcall: a key of another type under a job's name (written by hand) is
-    -- garbage like a damaged hash, not an error that stops every pass here.
-    local job = redis.pcall('HMGET', job_key, 'state', 'attempts', 'max_attempts', 'started',
-      'gen', 'cancel', 'priority')
-    if job.err then
-      job = {}
-    end
+    -- A key of another type under a job's name reads as a damaged hash: garbage.
+    local job = read_job(job_id, 'state', 'attempts', 'max_attempts', 'started', 'gen',
+      'cancel', 'priority')
     local attempts = count_of(job[2], 0)
     local max_attempts = count_of(job[3], 1)
     local kind
@@ -233,9 +229,7 @@ for _, job_id in ipairs(expired) do
       redis.call('ZADD', dead_key, now, job_id)
     elseif job[1] == 'running' and job[6] then
       kind = 'cancelled'
-      redis.call('DEL', job_key)
-      redis.call('HSET', job_key, 'state', 'cancelled', 'gen', job[5] or '0')
-      redis.call('PEXPIRE', job_key, tombstone_ms)
+      leave_tombstone(job_id, 'cancelled', job[5] or '0', tombstone_ms)
     elseif job[1] == 'running' and job[4] ~= job[2] then
       kind = 'unstarted'
       max_attempts = math.min(max_attempts + 1, MAX_COUNT)
@@ -255,8 +249,11 @@ for _, job_id in ipairs(expired) do
       requeued = requeued + 1
     else
       kind = 'dropped'
-      if job[1] == 'cancelled' then
-        redis.call('DEL', job_key)  -- no copy of it is left to drop it later
+      if job[1] == 'cancelled' and redis.call('PTTL', job_key) == -1 then
+        -- Cancelled while queued (its id was on landing): no copy of it is
+        -- left to drop it later, so its hash becomes the tombstone a claim
+        -- would have left.
+        leave_tombstone(job_id, 'cancelled', job[5] or '0', tombstone_ms)
       end
     end
     report(job_id, attempts, max_attempts, kind, count_of(job[5], 0))

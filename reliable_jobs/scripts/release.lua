@@ -37,6 +37,8 @@ local band_prefix = KEYS[6]
 --- @include "wake_marker"
 --- @include "fence"
 
+--- @include "read_job"
+
 --- @include "band_of"
 
 --- @include "band_push"
@@ -51,21 +53,18 @@ end
 -- every list.
 --- @include "count_of"
 
--- How long a cancelled job's tombstone lives (broker.TOMBSTONE_MS).
-local CANCELLED_TOMBSTONE_MS = 3600000
+--- @include "tombstone"
 
 local results = {}
 local released = 0
 for i = 1, #ARGV, 4 do
   local job_id = ARGV[i]
   local job_key = job_prefix .. job_id
-  local job = redis.call('HMGET', job_key, 'state', 'attempts', 'gen', 'cancel', 'priority')
+  local job = read_job(job_id, 'state', 'attempts', 'gen', 'cancel', 'priority')
   if holds(job, ARGV[i + 1], ARGV[i + 2])
       and job[4] then
     redis.call('ZREM', leases_key, job_id)
-    redis.call('DEL', job_key)
-    redis.call('HSET', job_key, 'state', 'cancelled', 'gen', job[3] or '0')
-    redis.call('PEXPIRE', job_key, CANCELLED_TOMBSTONE_MS)
+    leave_tombstone(job_id, 'cancelled', job[3] or '0', CANCELLED_TOMBSTONE_MS)
     results[#results + 1] = 2
   elseif holds(job, ARGV[i + 1], ARGV[i + 2]) then
     redis.call('ZREM', leases_key, job_id)

@@ -43,9 +43,11 @@ end
 --- @include "band_of"
 --- @include "band_push"
 
+--- @include "read_job"
+
 local job_id = ARGV[1]
 local job_key = job_prefix .. job_id
-local found = redis.call('HMGET', job_key, 'state', 'priority')
+local found = read_job(job_id, 'state', 'priority')
 local state = found[1] or ''
 local old = band_of(found[2])
 if (state ~= 'queued' and state ~= 'scheduled') or old == priority then

@@ -32,9 +32,11 @@ local band_prefix = KEYS[6]
 
 --- @include "server_clock"
 
+--- @include "read_job"
+
 local job_id = ARGV[1]
 local job_key = job_prefix .. job_id
-local state = redis.call('HGET', job_key, 'state') or ''
+local state = read_job(job_id, 'state')[1] or ''
 if state ~= 'scheduled' or redis.call('ZREM', scheduled_key, job_id) == 0 then
   return { 0, state }
 end

@@ -34,6 +34,8 @@ local band_prefix = KEYS[6]
 
 --- @include "server_clock"
 
+--- @include "read_job"
+
 local MAX_COUNT = 2147483647
 local extra = tonumber(ARGV[2])
 if extra == nil or extra ~= math.floor(extra) or extra < 0 or extra > MAX_COUNT then
@@ -42,7 +44,7 @@ end
 
 local job_id = ARGV[1]
 local job_key = job_prefix .. job_id
-if redis.call('HGET', job_key, 'state') ~= 'dead' then
+if read_job(job_id, 'state')[1] ~= 'dead' then
   return 0
 end
 -- The counter as claim reads it (a whole number within the mirror's range).

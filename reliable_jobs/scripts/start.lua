@@ -1,7 +1,8 @@
 --[[
   start: record that attempts are about to run their task, fenced.
 
-  KEYS[1] job prefix  string job hashes are KEYS[1] .. id (same {queue} slot)
+  KEYS[1] leases      zset   id -> lease deadline (ms, server clock)
+  KEYS[2] job prefix  string job hashes are KEYS[2] .. id (same {queue} slot)
 
   ARGV, repeated in groups of three: id, attempt, gen (the fencing token
   from claim)
@@ -16,26 +17,44 @@
   cancel.lua) is not marked: its task must not run, and its holder
   finishes it as cancelled (ack.lua).
 
+  A claim whose lease has expired (its deadline, on this server's clock, is
+  not in the future) is not marked either: the sweep may be requeuing it for
+  another worker at this moment, and a task started now could run beside
+  that one. Its holder lets go of it; the sweep requeues it as a claim that
+  never started. A claim with no lease at all is not held (as in extend).
+
   Returns: a list with 1 (marked: run it), 2 (held, but cancelled: do not
-  run it, finish it) or 0 (refused: the attempt is no longer held, do not
+  run it, finish it), 3 (held, but its lease expired: do not run it, leave
+  it to the sweep) or 0 (refused: the attempt is no longer held, do not
   run it) per group.
 ]]
-local job_prefix = KEYS[1]
+local leases_key = KEYS[1]
+local job_prefix = KEYS[2]
 
 --- @include "fence"
 
+--- @include "read_job"
+
+--- @include "server_clock"
+
+local now = now_ms()
 local results = {}
 for i = 1, #ARGV, 3 do
   local job_id = ARGV[i]
-  local job_key = job_prefix .. job_id
-  local job = redis.call('HMGET', job_key, 'state', 'attempts', 'gen', 'cancel')
-  if holds(job, ARGV[i + 1], ARGV[i + 2]) and job[4] then
-    results[#results + 1] = 2
-  elseif holds(job, ARGV[i + 1], ARGV[i + 2]) then
-    redis.call('HSET', job_key, 'started', ARGV[i + 1])
-    results[#results + 1] = 1
-  else
+  local job = read_job(job_id, 'state', 'attempts', 'gen', 'cancel')
+  local deadline = nil
+  if holds(job, ARGV[i + 1], ARGV[i + 2]) then
+    deadline = tonumber(redis.call('ZSCORE', leases_key, job_id))
+  end
+  if deadline == nil then
     results[#results + 1] = 0
+  elseif job[4] then
+    results[#results + 1] = 2
+  elseif deadline <= now then
+    results[#results + 1] = 3
+  else
+    redis.call('HSET', job_prefix .. job_id, 'started', ARGV[i + 1])
+    results[#results + 1] = 1
   end
 end
 return results

@@ -45,7 +45,7 @@ from ..keys import logical_queue
 from ..logformat import log_attempt
 from ..mirror import CANCELLED_ERROR, AttemptRecord, cancelled_record
 from ..models import AttemptOutcome, JobState
-from ..results import task_result
+from ..results import finish_failed, task_result
 from ..signalwatch import SignalWatch
 from ..tasks import lookup
 from .backoff import Backoff, Outage
@@ -183,7 +183,8 @@ class Executor:
         held = [job for job, ok in zip(jobs, marked, strict=True) if ok == Applied.DONE]
         if len(held) == len(jobs):  # the usual case: every job still ours
             return held
-        lost = [job for job, ok in zip(jobs, marked, strict=True) if ok == Applied.REFUSED]
+        lost = [job for job, ok in zip(jobs, marked, strict=True)
+                if ok in (Applied.REFUSED, Applied.EXPIRED)]
         for job, ok in zip(jobs, marked, strict=True):
             if ok == Applied.CANCELLED:
                 # Cancelled between its claim and its start: never run, ack it
@@ -197,11 +198,18 @@ class Executor:
                 logger.info("Job %s attempt %d was cancelled before it started; not running it.",
                             printable(job.id), job.attempt)
         if lost:
+            # Not released: an expired claim is the sweep's to requeue (as never
+            # started), and one no longer held is someone else's.
             self.in_hand.drop(lost)
             self.slot_freed.set()
-            for job in lost:
-                logger.warning("Job %s attempt %d is no longer held (lease lost before it "
-                               "started); not running it.", printable(job.id), job.attempt)
+            for job, ok in zip(jobs, marked, strict=True):
+                if ok == Applied.EXPIRED:
+                    logger.warning("Job %s attempt %d: its lease expired before it started; "
+                                   "not running it (the sweep requeues it).",
+                                   printable(job.id), job.attempt)
+                elif ok == Applied.REFUSED:
+                    logger.warning("Job %s attempt %d is no longer held (lease lost before it "
+                                   "started); not running it.", printable(job.id), job.attempt)
         return held
 
     def _execute(self, job: ClaimedJob, held: Held) -> bool:
@@ -366,8 +374,9 @@ class Executor:
         record.worker_id, record.started_at = self.worker_id, started_at
         record.traceback = payload.storable_text(trace)
         if result is not None:
-            object.__setattr__(result, "status", TaskResultStatus.FAILED)
-            object.__setattr__(result, "finished_at", record.finished_at)
+            finish_failed(result, exception_class_path=class_path(JobCancelled),
+                          traceback=record.traceback or record.error,
+                          finished_at=record.finished_at)
             task_finished.send(type(self.backend), task_result=result)
         self.finisher.submit(FinishedAttempt(record, job=job, delay_ms=None))
         took_ms = ((record.finished_at or timezone.now()) - started_at).total_seconds() * 1000
@@ -385,10 +394,11 @@ class Executor:
             max_ms=self.backend.task_option(task, "retry_max_ms") if task
             else self.config.RETRY_MAX_MS,
         )
+        failed_class = exc.class_path if isinstance(exc, ChildFailed) else class_path(type(exc))
+        error = f"{failed_class}: {exc}"
         if isinstance(exc, ChildFailed):
-            error, trace = f"{exc.class_path}: {exc}", exc.child_traceback
+            trace = exc.child_traceback
         else:
-            error = f"{class_path(type(exc))}: {exc}"
             trace = "".join(traceback.format_exception(exc))
         # Task code may put NUL or lone surrogates in a message: PostgreSQL and
         # Redis (UTF-8) refuse them, and the outcome could never be written.
@@ -406,8 +416,8 @@ class Executor:
             if state == JobState.SCHEDULED else None,
         )
         if result is not None:
-            object.__setattr__(result, "status", TaskResultStatus.FAILED)
-            object.__setattr__(result, "finished_at", record.finished_at)
+            finish_failed(result, exception_class_path=failed_class,
+                          traceback=trace or error, finished_at=record.finished_at)
             task_finished.send(type(self.backend), task_result=result)
         self.finisher.submit(FinishedAttempt(record, job=job, delay_ms=delay_ms, task=task_path))
         telemetry.hook.finished(job, task_path, state, time.perf_counter() - started_clock, exc)

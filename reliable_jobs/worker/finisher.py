@@ -25,6 +25,7 @@ from .. import mirror, retry, telemetry
 from ..broker import REDIS_ERRORS, Applied, Broker, ClaimedJob
 from ..faults import crash_point, raise_point
 from ..mirror import AttemptRecord
+from ..models import AttemptOutcome
 from .backoff import Backoff, Outage
 from .database import is_transient
 from .registry import InHand, printable
@@ -177,6 +178,11 @@ class Finisher:
         by_queue: dict[str, list[FinishedAttempt]] = defaultdict(list)
         for outcome in finished:
             assert outcome.job is not None
+            if outcome.record.outcome == AttemptOutcome.CANCELLED:
+                # The mirror settled it as cancelled (its row was cancelled
+                # while it ran): finished in Redis too, never retried, even
+                # when Redis lost the cancel's mark.
+                outcome.delay_ms = None
             by_queue[outcome.job.queue].append(outcome)
         for queue, outcomes in by_queue.items():
             acks = [o for o in outcomes if o.delay_ms is None]

@@ -22,8 +22,10 @@ class Command(ReliableJobsCommand):
     help = (
         "Delete jobs that finished (succeeded, dead or cancelled) more than --older-than "
         "days ago, with their attempts, in batches; a dead job's Redis hash goes too. "
-        "Unfinished jobs are never touched. Run it daily from cron; safe to run while "
-        "workers run."
+        "Unfinished jobs are never touched, nor a finished job Redis still holds waiting or "
+        "running (a cancel its worker has not acted on yet), nor one that finished less than "
+        "RECONCILE_GRACE_MS + LEASE_MS ago, whatever --older-than says. Run it daily from "
+        "cron; safe to run while workers run."
     )
     backend_help = "TASKS alias whose jobs are pruned (default: %(default)r)."
 
@@ -63,4 +65,6 @@ class Command(ReliableJobsCommand):
                 f"attempt{'s' if report.attempts != 1 else ''}, in {report.batches} "
                 f"batch{'es' if report.batches != 1 else ''}; {report.redis_hashes} dead "
                 "job hashes freed in Redis. Unfinished jobs were not touched."
+                + (f" {report.kept} finished job{'s' if report.kept != 1 else ''} kept: "
+                   "Redis still holds them unfinished." if report.kept else "")
             )

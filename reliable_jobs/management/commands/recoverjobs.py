@@ -31,8 +31,11 @@ class Command(ReliableJobsCommand):
         "attempts of jobs cancelled while they ran, finished as cancelled, not run again); "
         "checked (unfinished "
         "rows past RECONCILE_GRACE_MS that reconcile compared with Redis); pushed (of those, "
-        "jobs Redis had lost, rebuilt and pushed again); buried (of those, deaths Redis "
-        "recorded that the database lacked)."
+        "jobs Redis had lost, rebuilt and pushed again, counting only the pushes Redis took); "
+        "buried (of those, deaths Redis recorded that the database lacked); recancelled "
+        "(jobs cancelled in the last hour that Redis held waiting or running again, a cancel "
+        "lost in a failover: cancelled again); purged (dead jobs in Redis whose row does not "
+        "exist, forgotten once RECONCILE_GRACE_MS has passed)."
     )
     backend_help = "TASKS alias to sweep (default: %(default)r)."
     logging_mode = "verbosity"
