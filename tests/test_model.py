@@ -75,10 +75,12 @@ def replay(*steps: Callable[[QueueMachine], object]) -> None:
     machine = QueueMachine()
     for step in steps:
         step(machine)
+        machine.redis_and_row_agree_on_the_generation()
         machine.one_live_token_per_job()
         machine.finished_rows_stay_finished()
         machine.finished_rows_are_not_waiting_in_redis()
         machine.unfinished_rows_are_reachable()
+        machine.waiting_jobs_wait_at_their_priority()
     machine.teardown()
 
 
