@@ -14,7 +14,6 @@ part (tests/model_faults.py), so it follows the code as it changes.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -43,15 +42,22 @@ from testproject.demo import tasks as demo
 
 from .model_faults import SlowPush, failing_commit, finisher, stop_like_a_worker
 
-#: Lease length of every claim: short, so a step can outlive it.
-LEASE_MS = 100
+#: Lease length of every claim. Long: a lease runs out only when a step
+#: says time passes (:meth:`QueueMachine.jump`), never because the machine
+#: was slow, so the same program does the same thing every run (Hypothesis
+#: replays programs, and a lease that ran out in one run but not in its
+#: replay made the test fail as "flaky" on a loaded machine).
+LEASE_MS = 30_000
+#: How far the clock jumps when a step lets time pass: past every lease.
+JUMP_MS = LEASE_MS * 6 // 5
 #: The one queue the machine uses.
 QUEUE = "default"
 #: Workers the machine simulates.
 WORKERS = 3
-#: How far in the future a deferred enqueue is due, and a retry delay.
-DEFER_MS = 150
-RETRY_DELAY_MS = 30
+#: How far in the future a deferred enqueue is due, and a retry delay: both
+#: due after one jump.
+DEFER_MS = LEASE_MS // 3
+RETRY_DELAY_MS = LEASE_MS // 10
 #: How far back ``backdate`` moves every row: past reconcile's grace
 #: (RECONCILE_GRACE_MS = LEASE_MS), well within any window that looks for
 #: recent rows (reconcile's look for recent cancels).
@@ -301,6 +307,20 @@ class QueueMachine(RuleBasedStateMachine):
         else:
             worker.pending.extend(batch)
 
+    def jump(self) -> None:
+        """JUMP_MS pass on the server's clock, for every deadline Redis holds.
+
+        Lease deadlines and due times live in two sorted sets (leases,
+        scheduled), read against the server's TIME by every script: moving
+        each score JUMP_MS back is, to the scripts, JUMP_MS passing. Only the
+        machine writes to this Redis database, so nothing runs in between.
+        """
+        client = self.broker.client
+        for key in (self.keys.leases, self.keys.scheduled):
+            entries = client.zrange(key, 0, -1, withscores=True)
+            if entries:
+                client.zadd(key, {member: score - JUMP_MS for member, score in entries})
+
     def backdate(self) -> None:
         """Make every row older than reconcile's grace: as if that much time passed."""
         Job.objects.update(updated_at=timezone.now() - timedelta(milliseconds=BACKDATE_MS))
@@ -491,7 +511,7 @@ class QueueMachine(RuleBasedStateMachine):
     def pause(self) -> None:
         """Every process stalls longer than a lease (a GC pause, a paused VM, a slow
         network), and no sweep runs meanwhile: every lease not renewed runs out."""
-        time.sleep(LEASE_MS * 1.2 / 1000)
+        self.jump()
 
     @rule(k=st.integers(0, WORKERS - 1), commit_lands=st.booleans())
     def kill(self, k: int, commit_lands: bool) -> None:
@@ -565,7 +585,7 @@ class QueueMachine(RuleBasedStateMachine):
         transaction commits: Redis has acted, the mirror knows nothing.
         """
         if expire:
-            time.sleep(LEASE_MS * 1.2 / 1000)
+            self.jump()
         broker = self.broker
         real_expired = broker.expired
 
@@ -579,7 +599,7 @@ class QueueMachine(RuleBasedStateMachine):
                 # out between a look taken before it and this one counts too.)
                 self.unrecorded |= {job_id for job_id, _, _ in found}
             if stall:
-                time.sleep(LEASE_MS * 1.2 / 1000)
+                self.jump()
             return found
 
         broker.expired = expired_seen  # type: ignore[method-assign]
@@ -887,7 +907,7 @@ class QueueMachine(RuleBasedStateMachine):
         survivor = SimWorker("survivor")
         for round_ in range(40):
             if round_:
-                time.sleep(LEASE_MS * 1.2 / 1000)  # leases of the dead workers run out
+                self.jump()  # leases of the dead workers run out
             Sweep(self.backend).redis_pass()
             self.backdate()
             Sweep(self.backend).reconcile()
