@@ -289,6 +289,12 @@ class QueueMachine(RuleBasedStateMachine):
             self.finisher._apply_in_redis([outcome])
             job = outcome.job
             assert job is not None
+            if outcome.record.outcome == AttemptOutcome.CANCELLED:
+                state = self.job_hashes([job.id])[job.id]["state"]
+                if state in ("queued", "scheduled"):
+                    self.fail(f"job {job.id}: the mirror recorded attempt {job.attempt} as "
+                              f"cancelled (its row was cancelled), and the finisher's Redis "
+                              f"step left the job {state} to run again")
             if stats.succeeded == taken or outcome.record.outcome != AttemptOutcome.SUCCEEDED \
                     or job.id in self.stale_incarnation:
                 continue
