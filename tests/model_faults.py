@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from django.db import OperationalError, connections
 
 from reliable_jobs.broker import Broker, ClaimedJob
-from reliable_jobs.worker import Worker
+from reliable_jobs.worker import Worker, core
 from reliable_jobs.worker.backoff import Outage
 from reliable_jobs.worker.finisher import Finisher, WorkerStats
 from reliable_jobs.worker.registry import InHand
@@ -126,24 +126,42 @@ def stop_like_a_worker(backend: ReliableJobsBackend, name: str, queue: str, *, h
     same jobs, at the same stages, in its registry and job buffer:
     ``unstarted`` claims waiting in the buffer, ``running`` tasks (begun, not
     ended: their threads are still running them), ``unmirrored`` outcomes
-    (the task ended, the finisher has not committed them) and ``mirrored``
-    ones (committed, not acked). Then ``_shutdown`` runs as after the first
-    signal once the grace period is over (``hard`` False: the executor
-    threads did not end in time) or after a second signal (``hard``). Its
-    executor and finisher threads are given as already ended, so it waits
-    for nothing; whatever it hands back or leaves is the real code's choice.
+    (the task ended and the finisher is writing them: its COMMIT is on its
+    way) and ``mirrored`` ones (committed, not acked). Then ``_shutdown``
+    runs as after the first signal once the grace period is over (``hard``
+    False: the executor threads did not end in time, nor the finisher within
+    its own grace) or after a second signal (``hard``). The executor threads
+    are given as ended (their tasks are the machine's); the finisher's
+    thread is alive while it has outcomes in hand. Whatever the shutdown
+    hands back or leaves is the real code's choice.
     """
-    worker = Worker(backend, queues=[queue], worker_id=name, scheduler=False)
+    worker = Worker(backend, queues=[queue], worker_id=name, scheduler=False, grace_s=0)
     in_hand = worker.in_hand
     in_hand.add([*unstarted, *running, *unmirrored, *mirrored])
     for job in [*running, *unmirrored, *mirrored]:
         in_hand.begin(job)
     for job in [*unmirrored, *mirrored]:
         in_hand.done(job)
+    # The finisher notes the outcomes it begins to write, where it does so.
+    writing = getattr(in_hand, "writing", None)
+    if writing is not None:
+        writing(unmirrored)
     in_hand.mirrored(mirrored)
     worker._buffer.put(unstarted)
     if hard:
         worker._hard_stop.set()
     worker.stop()
-    ended = threading.Thread(target=lambda: None)  # never started: not alive
-    worker._shutdown([], ended)
+    busy = threading.Event()
+    finisher_thread = threading.Thread(target=busy.wait, name="model-finisher", daemon=True)
+    if unmirrored or (hard and mirrored):
+        finisher_thread.start()
+    # Its grace after the executors' is over too (the shutdown would wait it out).
+    finisher_grace_s = core.FINISHER_GRACE_S
+    core.FINISHER_GRACE_S = 0.0
+    try:
+        worker._shutdown([], finisher_thread)
+    finally:
+        core.FINISHER_GRACE_S = finisher_grace_s
+        busy.set()
+        if finisher_thread.is_alive():
+            finisher_thread.join(timeout=5)
