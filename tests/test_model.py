@@ -18,10 +18,29 @@ README "Guarantees" and docs/design.md:
 - a cancelled job never starts (and no finished job is handed out again);
 - every unfinished row is reachable: Redis holds it where a script will
   find it, or reconcile would rebuild (or bury) it;
+- a job whose success is in the mirror never starts again, and a success
+  Redis took (its ack applied) is in the mirror;
+- Redis and the row agree on the generation: a job Redis may run has its
+  row's generation, or the mirror refuses every record of it;
+- a claim whose lease ran out is not started; a job handed back by a
+  stopping worker does not start elsewhere while that worker still runs
+  it; an equal call of a unique task is not merged into a job that began;
 
 and, at the end of each example, that once every fault stops and the
 sweep, reconcile and a fresh worker have run, every job is succeeded, dead
 with its error, or cancelled: nothing is lost (G1).
+
+The faults: workers stall, die (SIGKILL, with a COMMIT on its way or not)
+or stop (first or second signal, past the grace period or not) with jobs
+at every stage: claimed, running, finished with the outcome not committed,
+committed and not acked; the sweep stalls or dies; Redis loses everything,
+or fails over and loses one cancel; a COMMIT fails after its transaction
+acted in Redis (a worker batch, reconcile, every staff action); a push is
+late (a producer's on-commit push, held across steps) or slow (a rebuild's
+push, overtaken by the job's late push or by a loss of Redis data); staff
+cancel and reprioritize one job at once; unique calls arrive while their
+job runs. Time passes only when a step says so (the machine moves every
+deadline Redis holds), so a replayed program does what it did.
 
 The helpers a reader needs to replay a failure by hand live in
 ``tests/model_helpers.py``.
