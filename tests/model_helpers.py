@@ -562,6 +562,8 @@ class QueueMachine(RuleBasedStateMachine):
             self.apply(list(worker.pending))
             worker.pending.clear()
         running = [h.job for h in worker.held.values() if h.started]
+        found = self.job_hashes([job.id for job in running])
+        held_fences = {job.fence for job in running if self.is_current(job.fence, found[job.id])}
         stop_like_a_worker(
             self.backend, worker.name, QUEUE, hard=hard,
             unstarted=[h.job for h in worker.held.values() if not h.started], running=running,
@@ -570,7 +572,10 @@ class QueueMachine(RuleBasedStateMachine):
         if commit == "late" and worker.committing:
             mirror.record(self.database, [o.record for o in worker.committing])
         if rival:
-            self.still_running = {job.id: job.fence for job in running}
+            # Those whose lease this worker still held: one Redis had already
+            # given away (its lease ran out in a stall) may run elsewhere.
+            self.still_running = {job.id: job.fence for job in running
+                                  if job.fence in held_fences}
             try:
                 self.claim(k=(k + 1) % WORKERS, count=3, start=True)
             finally:
