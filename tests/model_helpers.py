@@ -290,11 +290,13 @@ class QueueMachine(RuleBasedStateMachine):
             job = outcome.job
             assert job is not None
             if outcome.record.outcome == AttemptOutcome.CANCELLED:
-                state = self.job_hashes([job.id])[job.id]["state"]
-                if state in ("queued", "scheduled"):
+                found = self.job_hashes([job.id])[job.id]
+                put_back = found["attempts"] == str(job.attempt) \
+                    and (found["gen"] or "0") == str(job.gen)  # this attempt's nack took
+                if put_back and found["state"] in ("queued", "scheduled"):
                     self.fail(f"job {job.id}: the mirror recorded attempt {job.attempt} as "
                               f"cancelled (its row was cancelled), and the finisher's Redis "
-                              f"step left the job {state} to run again")
+                              f"step left the job {found['state']} to run again")
             if stats.succeeded == taken or outcome.record.outcome != AttemptOutcome.SUCCEEDED \
                     or job.id in self.stale_incarnation:
                 continue
