@@ -18,6 +18,8 @@ import pytest
 import redis
 from django.db import connections
 
+from reliable_jobs.periodic import declared
+
 from .helpers import REDIS_URL, Processes
 
 #: OPTIONS that make recovery fast enough to test without long sleeps.
@@ -184,3 +186,13 @@ def processes(tmp_path: Path) -> Iterator[Processes]:
         yield procs
     finally:
         procs.stop_all()
+
+
+@pytest.fixture
+def no_decorated() -> Iterator[None]:
+    """Forget the @periodic declarations a test makes."""
+    before = dict(declared._declared)
+    yield
+    declared._declared.clear()
+    declared._declared.update(before)
+    declared._clashes.clear()

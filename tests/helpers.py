@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +25,23 @@ from django.utils import timezone
 
 from reliable_jobs.compat import task_backends
 from reliable_jobs.models import Job
+from reliable_jobs.periodic import Cron, Every
 from reliable_jobs.worker import Worker
 
 
 def backdate(*job_ids: str) -> None:
     """Make rows old enough for reconcile (their grace period long past)."""
     Job.objects.filter(pk__in=job_ids).update(updated_at=timezone.now() - timedelta(hours=1))
+
+
+def slots_between(timetable: Cron | Every, start: datetime, end: datetime) -> list[datetime]:
+    """The slots of a periodic timetable after ``start``, up to ``end`` included."""
+    found = []
+    for slot in timetable.after(start):
+        if slot > end:
+            return found
+        found.append(slot)
+    return found
 
 
 REPO = Path(__file__).resolve().parent.parent

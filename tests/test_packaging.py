@@ -135,8 +135,8 @@ def test_sdist_carries_the_tests_and_what_they_need(dist: Dist) -> None:
     with tarfile.open(dist.sdist) as sdist:
         names = {name.split("/", 1)[1] for name in sdist.getnames() if "/" in name}
     assert set(SDIST_FILES) - names == set()
-    tests = {f"tests/{p.name}" for p in (REPO / "tests").glob("test_*.py")
-             if f"tests/{p.name}" in source_files()}
+    tests = {str(p.relative_to(REPO)) for p in (REPO / "tests").rglob("test_*.py")
+             if str(p.relative_to(REPO)) in source_files()}
     assert tests - names == set()
     assert not any("__pycache__" in name or name.endswith(".pyc") for name in names)
 
@@ -146,7 +146,7 @@ def test_sdist_tests_run_from_the_unpacked_sdist(dist: Dist, tmp_path: Path) -> 
         sdist.extractall(tmp_path, filter="data")
     [unpacked] = tmp_path.iterdir()
     output = run(sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                 "tests/test_keys.py", cwd=unpacked)
+                 "tests/fast/test_keys.py", cwd=unpacked)
     assert re.search(r"\d+ passed", output), output
 
 
@@ -157,8 +157,11 @@ def test_wheel_alone_passes_check_and_migrate(dist: Dist, tmp_path: Path) -> Non
     # installs into it (--python), so it holds only the wheel and its dependencies.
     run(sys.executable, "-m", "venv", "--without-pip", venv, cwd=tmp_path)
     python = venv / "bin" / "python"
+    # (without PYTHONPATH: a checkout on it, with the .egg-info an editable
+    # install leaves there, reads to pip as the package already installed)
+    clean = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     run(sys.executable, "-m", "pip", "--python", python, "install", "--quiet",
-        "--disable-pip-version-check", dist.wheel, cwd=tmp_path)
+        "--disable-pip-version-check", dist.wheel, cwd=tmp_path, env=clean)
     project = tmp_path / "project"
     project.mkdir()
     (project / "rj_check_settings.py").write_text(

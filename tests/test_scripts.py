@@ -33,8 +33,8 @@ from reliable_jobs.broker import (
     RecoveredJob,
     Settlement,
 )
-from reliable_jobs.keys import QueueKeys
-from tests.helpers import wait_until
+from tests.helpers import REDIS_URL, wait_until
+from tests.luakeys import ALL_KEY_COMMANDS, KEYLESS_COMMANDS, header_keys
 
 Q = "work"
 #: A lease nobody outlives during a test.
@@ -1719,175 +1719,7 @@ def test_two_sweeps_at_once_requeue_each_expired_job_once(broker: Broker) -> Non
     assert_consistent(broker)
 
 
-# -- every key through KEYS ---------------------------------------------------
-
-#: Commands the scripts use whose first argument is their only key.
-ONE_KEY_COMMANDS = frozenset({
-    "EXISTS", "GET", "HDEL", "HGET", "HINCRBY", "HMGET", "HSET", "LINDEX", "LLEN", "LPOP", "LPOS",
-    "LPUSH", "LRANGE", "LREM", "LTRIM", "PEXPIRE", "PTTL", "RPUSH", "SET", "ZADD", "ZCARD",
-    "ZINCRBY", "ZRANGE", "ZRANGEBYSCORE", "ZREM", "ZREVRANGEBYSCORE", "ZSCORE",
-})
-#: Commands whose every argument is a key.
-ALL_KEY_COMMANDS = frozenset({"DEL"})
-#: Commands that touch no key.
-KEYLESS_COMMANDS = frozenset({"TIME"})
-
-
-def strip_lua_comments(source: str) -> str:
-    source = re.sub(r"--\[\[.*?\]\]", "", source, flags=re.DOTALL)
-    return re.sub(r"--[^\n]*", "", source)
-
-
-def scan_call(text: str, start: int) -> tuple[list[str], int]:
-    """Read the arguments of a call whose "(" ends at ``start``; skip quoted strings.
-
-    Returns the top-level arguments and the index just past the closing ")".
-    """
-    arguments: list[str] = []
-    current, depth, quote, index = "", 1, "", start
-    while depth:
-        char = text[index]
-        index += 1
-        if quote:
-            quote = "" if char == quote and text[index - 2] != "\\" else quote
-        elif char in "'\"":
-            quote = char
-        elif char in "({[":
-            depth += 1
-        elif char in ")}]":
-            depth -= 1
-            if not depth:
-                break
-        elif char == "," and depth == 1:
-            arguments.append(current.strip())
-            current = ""
-            continue
-        current += char
-    arguments.append(current.strip())
-    return arguments, index
-
-
-def redis_calls(code: str) -> list[list[str]]:
-    """The argument lists of every redis.call / redis.pcall in ``code``."""
-    return [scan_call(code, match.end())[0]
-            for match in re.finditer(r"redis\.p?call\(", code)]
-
-
-def header_keys(source: str) -> list[tuple[int, str]]:
-    """(index, name) for each ``KEYS[i] name`` line of a script's header."""
-    header = re.match(r"--\[\[(.*?)\]\]", source, flags=re.DOTALL)
-    assert header, "the script does not open with a --[[ ]] header"
-    prefixes = ("job prefix", "band prefix")
-    return [(int(index), " ".join(rest.split()[:2]) if rest.startswith(prefixes)
-             else rest.split()[0])
-            for index, rest in re.findall(r"^\s*KEYS\[(\d+)\]\s+(.+)$", header.group(1),
-                                          flags=re.MULTILINE)]
-
-
-def key_problems(source: str) -> list[str]:
-    """Every way ``source`` touches a key that did not arrive through KEYS."""
-    code = strip_lua_comments(source)
-    problems: list[str] = []
-    bound = dict(re.findall(r"\blocal\s+(\w+)\s*=\s*KEYS\[(\d+)\]", code))
-    if code.count("KEYS") != len(bound):
-        problems.append("KEYS is used other than in `local name = KEYS[i]`")
-    job_prefix = next((name for name in bound if name == "job_prefix"), None)
-    # A priority band's list is band_prefix .. priority (keys.QueueKeys.band).
-    band_prefix = next((name for name in bound if name == "band_prefix"), None)
-    plain_keys = {name for name in bound if name not in (job_prefix, band_prefix)}
-    job_keys: set[str] = set()
-    if job_prefix:
-        job_keys = set(re.findall(rf"\blocal\s+(\w+)\s*=\s*{job_prefix}\s*\.\.\s*\w+\s*$", code,
-                                  flags=re.MULTILINE))
-    for name in plain_keys | job_keys:
-        # A job key local may be bound in several loops, each time to a job hash.
-        bindings = 1 if name in plain_keys else len(re.findall(
-            rf"\blocal\s+{name}\s*=\s*{job_prefix}\s*\.\.\s*\w+\s*$", code, flags=re.MULTILINE))
-        if len(re.findall(rf"(?<![.\w]){name}\s*=(?!=)", code)) != bindings:
-            problems.append(f"the key local {name} is assigned something other than its key")
-    appended: dict[str, set[str]] = {}
-    for table, value in re.findall(r"(\w+)\[#\1\s*\+\s*1\]\s*=\s*(\w+)", code):
-        appended.setdefault(table, set()).add(value)
-    key_tables = {table for table, values in appended.items() if values <= job_keys}
-
-    def is_key(expression: str) -> bool:
-        unpacked = re.fullmatch(r"unpack\((\w+)(?:,.*)?\)", expression)
-        return (expression in plain_keys or expression in job_keys
-                or bool(job_prefix and re.fullmatch(rf"{job_prefix}\s*\.\.\s*\w+", expression))
-                or bool(band_prefix and re.fullmatch(rf"{band_prefix}\s*\.\.\s*\w+", expression))
-                or bool(unpacked and unpacked.group(1) in key_tables))
-
-    for arguments in redis_calls(code):
-        command = re.fullmatch(r"'(\w+)'|\"(\w+)\"", arguments[0])
-        if not command:
-            problems.append(f"the command {arguments[0]} is not a string literal")
-            continue
-        name = (command.group(1) or command.group(2)).upper()
-        if name in KEYLESS_COMMANDS:
-            continue
-        if name in ONE_KEY_COMMANDS:
-            keys = arguments[1:2]
-        elif name in ALL_KEY_COMMANDS:
-            keys = arguments[1:]
-        else:
-            problems.append(f"{name}: unknown command, add it to the tables in this test")
-            continue
-        problems += [f"{name} {key}: not a key from KEYS" for key in keys if not is_key(key)]
-    return problems
-
-
-@pytest.mark.parametrize("name", scripts.SCRIPT_NAMES)
-def test_every_key_a_script_touches_arrives_through_keys(name: str) -> None:
-    # Given a script's source
-    source = scripts.source(name)
-
-    # When its redis.call arguments are read (all of them: the parser misses none)
-    calls = redis_calls(strip_lua_comments(source))
-    code = strip_lua_comments(source)
-    assert len(calls) == code.count("redis.call(") + code.count("redis.pcall(") > 0
-    problems = key_problems(source)
-
-    # Then every key is a KEYS local or a job hash built from the KEYS job prefix
-    assert problems == []
-
-
-@pytest.mark.parametrize("name", scripts.SCRIPT_NAMES)
-def test_a_script_header_names_each_keys_slot_it_binds(name: str) -> None:
-    # Given a script's header and its code
-    source = scripts.source(name)
-    declared = header_keys(source)
-    bound = re.findall(r"\blocal\s+(\w+)\s*=\s*KEYS\[(\d+)\]", strip_lua_comments(source))
-
-    # Then the header lists KEYS[1..n] in order, and the code binds each to a
-    # local named after it (queued -> queued_key, job prefix -> job_prefix)
-    assert [index for index, _ in declared] == list(range(1, len(declared) + 1))
-    expected = [(key.replace(" ", "_") if key.endswith(" prefix") else f"{key}_key", str(index))
-                for index, key in declared]
-    assert bound == expected
-    for _, key in declared:
-        assert hasattr(QueueKeys, key.replace(" ", "_")), f"QueueKeys has no {key!r}"
-
-
-def test_the_key_check_catches_literal_and_argv_keys() -> None:
-    # Given scripts that build keys the ways the rule forbids
-    bad_scripts = {
-        "literal": "local q = KEYS[1]\nredis.call('LPUSH', 'rj:{x}:queued', ARGV[1])",
-        "argv": "local q = KEYS[1]\nredis.call('DEL', ARGV[1])",
-        "built": "local q = KEYS[1]\nredis.call('LLEN', q .. ':other')",
-        "keys inline": "redis.call('LLEN', KEYS[1])",
-        "prefix alone": "local job_prefix = KEYS[1]\nredis.call('DEL', job_prefix)",
-        "rebound": "local q = KEYS[1]\nq = ARGV[1]\nredis.call('LLEN', q)",
-        "job key rebound": ("local job_prefix = KEYS[1]\nlocal k = job_prefix .. ARGV[1]\n"
-                            "k = ARGV[2]\nredis.call('DEL', k)"),
-        "mixed table": ("local job_prefix = KEYS[1]\nlocal k = job_prefix .. ARGV[1]\n"
-                        "local t = {}\nt[#t + 1] = k\nt[#t + 1] = other\n"
-                        "redis.call('DEL', unpack(t))"),
-    }
-
-    # When the check reads them
-    # Then it finds a problem in each one
-    for label, source in bad_scripts.items():
-        assert key_problems(source), f"the check missed the {label!r} key"
+# -- every key through KEYS (the scripts' text alone: tests/fast/test_script_keys.py) --
 
 
 def parse_monitor_line(line: str) -> tuple[str, list[str]]:
@@ -2004,19 +1836,14 @@ def test_ids_left_on_the_legacy_processing_list_are_moved_into_leases(broker: Br
     assert sorted(queued(broker)) == sorted(legacy)
 
 
-@pytest.mark.parametrize("name", scripts.SCRIPT_NAMES)
-def test_a_script_header_builds_keys_only_from_its_prefix_slots(name: str) -> None:
-    # Given a script's header: its KEYS lines, and its prose
-    source = scripts.source(name)
-    header = re.match(r"--\[\[(.*?)\]\]", source, flags=re.DOTALL)
-    assert header
-    declared = dict(header_keys(source))
+def test_spliced_scripts_compile_on_a_real_server() -> None:
+    # Given a real server, when each spliced script is loaded, then it compiles
+    # (SCRIPT LOAD parses the Lua without running it).
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        for name in scripts.SCRIPT_NAMES:
+            sha = client.script_load(scripts.source(name))
+            assert re.fullmatch(r"[0-9a-f]{40}", sha), name
+    finally:
+        client.close()
 
-    # When the prose builds a key from a slot ("KEYS[i] .. p") or names one at all
-    built = [int(index) for index in re.findall(r"KEYS\[(\d+)\]\s*\.\.", header.group(1))]
-    named = [int(index) for index in re.findall(r"KEYS\[(\d+)\]", header.group(1))]
-
-    # Then every slot it names is declared, and every slot it builds from is a prefix
-    assert [index for index in named if index not in declared] == []
-    assert [(index, declared[index]) for index in built
-            if not declared[index].endswith(" prefix")] == []

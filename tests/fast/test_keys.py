@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from redis.crc import key_slot
 
 from reliable_jobs.keys import QueueKeys, is_valid_queue_name, worker_key, workers_index
@@ -119,3 +121,32 @@ def test_a_queue_name_that_is_not_a_string_is_refused(value: object) -> None:
     assert not is_valid_queue_name(value)
     with pytest.raises(ValueError, match="is not usable"):
         QueueKeys("rj", value)  # type: ignore[arg-type]  # the wrong type is the point
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(queue=st.from_regex(r"[A-Za-z0-9._-]{1,100}", fullmatch=True),
+       other=st.from_regex(r"[A-Za-z0-9._-]{1,100}", fullmatch=True),
+       prefix=st.from_regex(r"[A-Za-z0-9._-]{1,100}", fullmatch=True),
+       job_id=st.text(), worker_id=st.text())
+def test_ids_stay_inside_their_namespace(
+    queue: str, other: str, prefix: str, job_id: str, worker_id: str
+) -> None:
+    # Given the keys of a queue, and any id at all (ids come from Redis lists and flags)
+    keys = QueueKeys(prefix, queue)
+    job_key = keys.job(job_id)
+    named = [keys.queued, keys.processing, keys.leases, keys.scheduled, keys.dead, keys.wake]
+
+    # Then a job key stays in its queue's namespace and cluster slot, whatever the id
+    assert job_key.startswith(keys.job_prefix)
+    assert key_slot(job_key.encode(errors="surrogatepass")) == key_slot(queue.encode())
+    assert job_key not in named
+
+    # And: no key of another queue, and no heartbeat key, can equal one of this queue's
+    if other != queue:
+        theirs = QueueKeys(prefix, other)
+        assert not {theirs.queued, theirs.processing, theirs.leases, theirs.scheduled,
+                    theirs.dead, theirs.wake, theirs.job(job_id)} & {*named, job_key}
+    beat = worker_key(prefix, worker_id)
+    assert beat not in {*named, job_key, workers_index(prefix)}
+    assert not beat.startswith(f"{prefix}:{{")
+
