@@ -18,7 +18,7 @@ from django.db import DatabaseError, InterfaceError, connections
 
 from ..broker import REDIS_ERRORS
 from ..sweep import Sweep
-from .backoff import Outage
+from .shared import Shared
 
 logger = logging.getLogger("reliable_jobs.worker")
 
@@ -32,17 +32,16 @@ class Maintenance:
     """A thread that sweeps every ``sweep_interval_ms`` and reconciles every 30 s."""
 
     def __init__(self, *, sweep: Sweep, database: str, sweep_interval_ms: int,
-                 reconcile_grace_ms: int, redis_outage: Outage,
-                 db_outage: Outage, stopping: threading.Event,
+                 reconcile_grace_ms: int, shared: Shared,
                  on_queues: Callable[[list[str]], None],
                  on_pass: Callable[[], None] | None = None) -> None:
         self.sweep = sweep
         self.database = database
         self.sweep_interval_s = sweep_interval_ms / 1000
         self.reconcile_grace_s = reconcile_grace_ms / 1000
-        self.redis_outage = redis_outage
-        self.db_outage = db_outage
-        self.stopping = stopping
+        self.redis_outage = shared.redis_outage
+        self.db_outage = shared.db_outage
+        self.stopping = shared.stopping
         self.on_queues = on_queues
         self.on_pass = on_pass
         #: Held while a pass may have requeued jobs whose records are not yet
