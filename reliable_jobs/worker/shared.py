@@ -77,4 +77,5 @@ class Shared:
         """
         if waiting < self.concurrency:
             return True
-        return 2 * waiting <= self.concurrency + self.ahead()
+        ahead = self.pace.ahead(self.concurrency) if self.prefetch is None else self.prefetch
+        return 2 * waiting <= self.concurrency + ahead
