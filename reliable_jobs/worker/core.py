@@ -118,9 +118,6 @@ class Worker:
         self.left_running = 0
         #: time.monotonic() when the claim loop last went round (health.HeartbeatFile).
         self.loop_tick = time.monotonic()
-        #: The shards of ``queues`` (just the queues when none is sharded),
-        #: refreshed by every sweep so a change of SHARDS is picked up.
-        self._physical = list(self.queues)
         #: Skips queues found empty until their wake marker says otherwise.
         self._skipper = QueueSkipper()
         self._claimed_total = 0
@@ -129,7 +126,7 @@ class Worker:
         self._signals = 0
         self._started_at = time.time()
         self.shared = Shared(
-            worker_id or default_worker_id(), concurrency=max(1, concurrency),
+            worker_id or default_worker_id(), queues=self.queues, concurrency=max(1, concurrency),
             prefetch=self.config.PREFETCH if prefetch is None else prefetch)
         self.finisher = Finisher(broker=self.broker, database=self.config.DATABASE,
                                  shared=self.shared)
@@ -137,7 +134,6 @@ class Worker:
             sweep=Sweep(backend, self.queues), database=self.config.DATABASE,
             sweep_interval_ms=self.config.SWEEP_INTERVAL_MS,
             reconcile_grace_ms=self.config.RECONCILE_GRACE_MS, shared=self.shared,
-            on_queues=self._set_physical,
             on_pass=self._report_progress if burst and progress else None)
         self.executor = Executor(backend=backend, shared=self.shared, finisher=self.finisher,
                                  retry_gate=self.maintenance.retry_gate, release=self._release)
@@ -349,7 +345,7 @@ class Worker:
                     self.shared.slot_freed.wait(0.05)
                     self.shared.slot_freed.clear()
                     continue
-                woken = self.broker.wait(self._physical, MAX_WAIT_S)
+                woken = self.broker.wait(self.shared.physical, MAX_WAIT_S)
                 if woken is not None:
                     queue, moved_id = woken
                     crash_point("after_blmove")
@@ -377,9 +373,6 @@ class Worker:
         logger.error("Redis has not answered for %.0f s: giving up.", self.give_up_s)
         self.gave_up = True
         return True
-
-    def _set_physical(self, physical: list[str]) -> None:
-        self._physical = physical
 
     def _limit_reached(self) -> bool:
         return (self.max_jobs is not None and self._claimed_total >= self.max_jobs
@@ -409,7 +402,7 @@ class Worker:
         have work (skip.py).
         """
         claimed = 0
-        for queue in self._skipper.round(self._physical, self.broker.woken):
+        for queue in self._skipper.round(self.shared.physical, self.broker.woken):
             if capacity - claimed <= 0:
                 break
             claimed += self._claim(queue, capacity - claimed, None)
@@ -443,7 +436,7 @@ class Worker:
         """
         if len(self.in_hand):
             return False
-        queues = self._physical
+        queues = self.shared.physical
         if self._burst_busy in queues:  # the queue that had work last time, first
             queues = [self._burst_busy, *(q for q in queues if q != self._burst_busy)]
         for queue in queues:

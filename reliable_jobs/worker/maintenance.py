@@ -33,7 +33,6 @@ class Maintenance:
 
     def __init__(self, *, sweep: Sweep, database: str, sweep_interval_ms: int,
                  reconcile_grace_ms: int, shared: Shared,
-                 on_queues: Callable[[list[str]], None],
                  on_pass: Callable[[], None] | None = None) -> None:
         self.sweep = sweep
         self.database = database
@@ -42,7 +41,7 @@ class Maintenance:
         self.redis_outage = shared.redis_outage
         self.db_outage = shared.db_outage
         self.stopping = shared.stopping
-        self.on_queues = on_queues
+        self.shared = shared
         self.on_pass = on_pass
         #: Held while a pass may have requeued jobs whose records are not yet
         #: mirrored (see sweep_once).
@@ -78,7 +77,7 @@ class Maintenance:
         with self.retry_gate:
             try:
                 physical = self.sweep.physical_queues()
-                self.on_queues(physical)
+                self.shared.physical = physical
                 report = self.sweep.redis_pass(physical)
             except REDIS_ERRORS as exc:
                 self.redis_outage.failed(exc, "sweeping")

@@ -31,9 +31,13 @@ class WorkerStats:
 class Shared:
     """The state a worker's roles share; one per worker."""
 
-    def __init__(self, worker_id: str = "w", *, concurrency: int = 1,
-                 prefetch: int | None = None) -> None:
+    def __init__(self, worker_id: str = "w", *, queues: list[str] | None = None,
+                 concurrency: int = 1, prefetch: int | None = None) -> None:
         self.worker_id = worker_id
+        #: The shards of the queues served (just the queues when none is
+        #: sharded), refreshed by every sweep so a change of SHARDS is picked
+        #: up; the main loop claims from these.
+        self.physical = list(queues or [])
         #: Executor threads.
         self.concurrency = concurrency
         #: Jobs claimed beyond those running: fixed, or None to follow the
