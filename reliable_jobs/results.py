@@ -1,11 +1,13 @@
-"""The one place a ``TaskResult`` is built.
+"""The one place a ``TaskResult`` is built, and an attempt's finished.
 
 Django's ``TaskResult`` is a frozen dataclass with many fields, most of
 them empty at the moment one is made (at enqueue, or when an attempt
 starts); the backend, the worker's executor and a time-limited task's child
 process build theirs here. The fields a caller does
 not know default to empty, so every caller names only what it knows, and a
-field Django adds is added once.
+field Django adds is added once. A worker finishes an attempt's result
+with one function per outcome (succeeded, failed, cancelled) before it
+sends ``task_finished``.
 """
 
 from __future__ import annotations
