@@ -119,11 +119,6 @@ class JobContext(_ContextBase):  # type: ignore[misc]  # frozen at run time; the
         return self.cancellation.wait(seconds)
 
 
-def is_cancelled(context: TaskContext[Any, Any]) -> bool:
-    """``context.cancelled`` for code typed against Django's ``TaskContext``."""
-    return isinstance(context, JobContext) and context.cancelled
-
-
 def raise_if_cancelled(context: TaskContext[Any, Any]) -> None:
     """``context.raise_if_cancelled()`` for code typed against Django's ``TaskContext``."""
     if isinstance(context, JobContext):

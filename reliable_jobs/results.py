@@ -1,11 +1,13 @@
-"""The one place a ``TaskResult`` is built.
+"""The one place a ``TaskResult`` is built, and an attempt's finished.
 
 Django's ``TaskResult`` is a frozen dataclass with many fields, most of
 them empty at the moment one is made (at enqueue, or when an attempt
 starts); the backend, the worker's executor and a time-limited task's child
 process build theirs here. The fields a caller does
 not know default to empty, so every caller names only what it knows, and a
-field Django adds is added once.
+field Django adds is added once. A worker finishes an attempt's result
+with one function per outcome (succeeded, failed, cancelled) before it
+sends ``task_finished``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ from datetime import datetime
 from typing import Any
 
 from .compat import Task, TaskError, TaskResult, TaskResultStatus, normalize_json
+from .exceptions import JobCancelled, class_path
+
+JOB_CANCELLED = class_path(JobCancelled)
 
 
 def task_result(task: Task[..., Any], *, job_id: str, status: TaskResultStatus,
@@ -33,6 +38,37 @@ def task_result(task: Task[..., Any], *, job_id: str, status: TaskResultStatus,
     )
 
 
+def attempt_result(task: Task[..., Any], *, job_id: str, queue: str, args: list[Any],
+                   kwargs: dict[str, Any], backend: str, started_at: datetime,
+                   worker_id: str, attempt: int) -> TaskResult[..., Any]:
+    """The running ``TaskResult`` of an attempt that starts now.
+
+    Its task is on ``queue`` (the logical queue it was enqueued to, which a
+    task of another default queue may not name), and every attempt so far
+    is counted as this worker's (the worker ids of earlier attempts are the
+    mirror's, not read for a start).
+    """
+    if task.queue_name != queue:
+        task = task.using(queue_name=queue)
+    return task_result(
+        task, job_id=job_id, status=TaskResultStatus.RUNNING, started_at=started_at,
+        last_attempted_at=started_at, args=args, kwargs=kwargs, backend=backend,
+        worker_ids=[worker_id] * attempt,
+    )
+
+
+# An attempt's result is finished by one of the three functions below, one
+# per outcome, before the worker sends ``task_finished`` with it.
+
+
+def finish_succeeded(result: TaskResult[..., Any], *, value: Any,
+                     finished_at: datetime | None) -> None:
+    """Finish an attempt's ``result`` as successful, ``value`` (normalized) its return value."""
+    object.__setattr__(result, "status", TaskResultStatus.SUCCESSFUL)
+    object.__setattr__(result, "finished_at", finished_at)
+    object.__setattr__(result, "_return_value", value)
+
+
 def finish_failed(result: TaskResult[..., Any], *, exception_class_path: str, traceback: str,
                   finished_at: datetime | None) -> None:
     """Finish an attempt's ``result`` as failed, its error included, before ``task_finished``.
@@ -46,6 +82,18 @@ def finish_failed(result: TaskResult[..., Any], *, exception_class_path: str, tr
                                    traceback=traceback))
     object.__setattr__(result, "status", TaskResultStatus.FAILED)
     object.__setattr__(result, "finished_at", finished_at)
+
+
+def finish_cancelled(result: TaskResult[..., Any], *, traceback: str,
+                     finished_at: datetime | None) -> None:
+    """Finish the ``result`` of an attempt cancelled while it ran.
+
+    Django's results know no cancelled status: it is a failure whose error
+    is :class:`~reliable_jobs.exceptions.JobCancelled`, whatever the task
+    raised or returned (``traceback``: the attempt's, or its error text).
+    """
+    finish_failed(result, exception_class_path=JOB_CANCELLED, traceback=traceback,
+                  finished_at=finished_at)
 
 
 #: The fields :class:`ResultStamp` gives each result its own value of.

@@ -23,6 +23,7 @@ from django.db import connections
 from django.db.backends.signals import connection_created
 from django.utils import timezone
 
+from reliable_jobs.broker import Broker
 from reliable_jobs.compat import task_backends
 from reliable_jobs.models import Job
 from reliable_jobs.periodic import Cron, Every
@@ -47,6 +48,17 @@ def slots_between(timetable: Cron | Every, start: datetime, end: datetime) -> li
 REPO = Path(__file__).resolve().parent.parent
 #: The suite's Redis: a database index of its own, flushed before each test.
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/15")
+
+
+def queued_by_priority(broker: Broker, queue: str) -> dict[int, int]:
+    """Ids waiting on each priority's list of ``queue`` (copies a reprioritize left included)."""
+    k = broker.keys(queue)
+    bands = [int(b) for b in broker.client.zrange(k.bands, 0, -1)]
+    with broker.client.pipeline(transaction=False) as pipe:
+        for band in [0, *bands]:
+            pipe.llen(k.band(band))
+        lengths = pipe.execute()
+    return {band: n for band, n in zip([0, *bands], lengths, strict=True) if n}
 
 
 def wait_until(predicate: Callable[[], Any], *, timeout: float = 20.0, interval: float = 0.05,

@@ -28,9 +28,8 @@ from django.db import OperationalError, connections
 
 from reliable_jobs.broker import Broker, ClaimedJob
 from reliable_jobs.worker import Worker, core
-from reliable_jobs.worker.backoff import Outage
-from reliable_jobs.worker.finisher import Finisher, WorkerStats
-from reliable_jobs.worker.registry import InHand
+from reliable_jobs.worker.finisher import Finisher
+from reliable_jobs.worker.shared import Shared
 
 if TYPE_CHECKING:
     from reliable_jobs.backend import ReliableJobsBackend
@@ -111,10 +110,7 @@ class SlowPush:
 
 def finisher(backend: ReliableJobsBackend) -> Finisher:
     """A finisher whose thread never runs: the machine calls its Redis step itself."""
-    return Finisher(broker=backend.broker, database=backend.config.DATABASE, in_hand=InHand(),
-                    stats=WorkerStats(), redis_outage=Outage("Redis"),
-                    db_outage=Outage("The database"), hard_stop=threading.Event(),
-                    slot_freed=threading.Event())
+    return Finisher(broker=backend.broker, database=backend.config.DATABASE, shared=Shared())
 
 
 def stop_like_a_worker(backend: ReliableJobsBackend, name: str, queue: str, *, hard: bool,
@@ -147,9 +143,9 @@ def stop_like_a_worker(backend: ReliableJobsBackend, name: str, queue: str, *, h
     if writing is not None:
         writing(unmirrored)
     in_hand.mirrored(mirrored)
-    worker._buffer.put(unstarted)
+    worker.shared.buffer.put(unstarted)
     if hard:
-        worker._hard_stop.set()
+        worker.shared.hard_stop.set()
     worker.stop()
     busy = threading.Event()
     finisher_thread = threading.Thread(target=busy.wait, name="model-finisher", daemon=True)

@@ -28,7 +28,7 @@ from reliable_jobs.models import Job, JobState
 from reliable_jobs.sweep import Sweep
 from testproject.demo import tasks as demo
 
-from .helpers import Processes, wait_until
+from .helpers import Processes, queued_by_priority, wait_until
 from .redis_cluster import RedisClusterHarness
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
@@ -155,7 +155,7 @@ def test_priorities_on_the_cluster_every_script_in_its_queues_slot(
             broker.client.zadd(broker.keys(queue).leases, {f"{queue}-low": 0}, xx=True)
             kinds = [o.kind for o in broker.recover(queue, lease_ms=60_000).outcomes]
             assert kinds == ["unstarted"]
-            assert broker.queued_by_priority(queue) == {-4: 1}
+            assert queued_by_priority(broker, queue) == {-4: 1}
     finally:
         broker.close()
 

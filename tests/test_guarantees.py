@@ -31,10 +31,10 @@ from reliable_jobs.models import Attempt, AttemptOutcome, Job, JobState
 from reliable_jobs.retention import prune
 from reliable_jobs.sweep import Sweep
 from reliable_jobs.worker import Worker
-from reliable_jobs.worker.backoff import Outage
 from reliable_jobs.worker.finisher import FinishedAttempt
 from reliable_jobs.worker.leases import LeaseKeeper
 from reliable_jobs.worker.registry import InHand, printable
+from reliable_jobs.worker.shared import Shared
 from testproject.demo import tasks as demo
 
 from .helpers import Processes, backdate, drain_here, wait_until, worker_in_thread
@@ -301,7 +301,8 @@ def test_a_job_claimed_again_by_the_same_worker_keeps_its_new_lease_renewed(
     backend = task_backends["default"]
     broker: Broker = backend.broker
     demo.add.enqueue(1, 2)
-    in_hand = InHand()
+    shared = Shared()
+    in_hand = shared.in_hand
     first = broker.claim("default", count=1, lease_ms=50).jobs[0]
     in_hand.add([first])
     time.sleep(0.1)
@@ -312,9 +313,8 @@ def test_a_job_claimed_again_by_the_same_worker_keeps_its_new_lease_renewed(
 
     # When: the stale attempt 1 is dropped (its outcome refused, or never run)
     in_hand.drop([first])
-    keeper = LeaseKeeper(broker=broker, in_hand=in_hand, lease_ms=60_000,
-                         renew_interval_ms=1_000, worker_id="w", beat_info=dict,
-                         redis_outage=Outage("Redis"))
+    keeper = LeaseKeeper(broker=broker, shared=shared, lease_ms=60_000,
+                         renew_interval_ms=1_000, beat_info=dict)
     before = lease_of(redis_client, second.id)
     assert keeper.renew()
 
@@ -332,7 +332,7 @@ def test_an_executor_never_runs_a_job_whose_lease_was_lost() -> None:
     in_hand.lose([job])
 
     # Then: it cannot be started, and leaves the hand
-    assert in_hand.start(job) is False
+    assert in_hand.begin(job) is None
     assert len(in_hand) == 0
 
 

@@ -15,9 +15,9 @@ import redis
 from reliable_jobs.broker import ClaimedJob
 from reliable_jobs.compat import task_backends
 from reliable_jobs.models import Job, JobState
-from reliable_jobs.worker.backoff import Outage
 from reliable_jobs.worker.leases import LeaseKeeper
 from reliable_jobs.worker.registry import InHand
+from reliable_jobs.worker.shared import Shared
 from testproject.demo import tasks as demo
 
 from .helpers import Processes
@@ -47,12 +47,11 @@ def test_a_long_drain_logs_no_lost_lease(rj_settings: Any, processes: Processes)
 
 def keeper_holding(job: ClaimedJob) -> tuple[InHand, LeaseKeeper]:
     """A lease keeper (on the default backend's Redis) for a worker holding ``job``."""
-    in_hand = InHand()
-    in_hand.add([job])
-    keeper = LeaseKeeper(broker=task_backends["default"].broker, in_hand=in_hand,
-                         lease_ms=60_000, renew_interval_ms=1_000, worker_id="w",
-                         beat_info=dict, redis_outage=Outage("Redis"))
-    return in_hand, keeper
+    shared = Shared()
+    shared.in_hand.add([job])
+    keeper = LeaseKeeper(broker=task_backends["default"].broker, shared=shared,
+                         lease_ms=60_000, renew_interval_ms=1_000, beat_info=dict)
+    return shared.in_hand, keeper
 
 
 def test_a_refused_renewal_still_warns_and_loses_a_job_in_hand(

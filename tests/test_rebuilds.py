@@ -30,9 +30,8 @@ from reliable_jobs.mirror import AttemptRecord
 from reliable_jobs.models import Attempt, AttemptOutcome, Job, JobState
 from reliable_jobs.retention import prune
 from reliable_jobs.sweep import Sweep
-from reliable_jobs.worker.backoff import Outage
-from reliable_jobs.worker.finisher import FinishedAttempt, Finisher, WorkerStats
-from reliable_jobs.worker.registry import InHand
+from reliable_jobs.worker.finisher import FinishedAttempt, Finisher
+from reliable_jobs.worker.shared import Shared
 from testproject.demo import tasks as demo
 
 from .helpers import Processes, backdate
@@ -360,12 +359,9 @@ def test_the_finisher_acks_an_outcome_the_mirror_settled_as_cancelled(
     assert broker.start("default", [job.fence]) == [True]
     assert staff.cancel(backend, result.id).done
     lose_the_cancel(redis_client, result.id, "running")
-    in_hand = InHand()
-    in_hand.add([job])
-    finisher = Finisher(broker=broker, database="default", in_hand=in_hand,
-                        stats=WorkerStats(), redis_outage=Outage("Redis"),
-                        db_outage=Outage("database"), hard_stop=threading.Event(),
-                        slot_freed=threading.Event())
+    shared = Shared()
+    shared.in_hand.add([job])
+    finisher = Finisher(broker=broker, database="default", shared=shared)
     now = timezone.now()
     failed = AttemptRecord(job_id=job.id, attempt=job.attempt, gen=job.gen,
                            job_state=JobState.SCHEDULED, worker_id="w", started_at=now,

@@ -97,16 +97,6 @@ class Inspection(BrokerCore):
                 queued += sum(pipe.execute())
         return QueueCounts(queued, running, scheduled, dead)
 
-    def queued_by_priority(self, queue: str) -> dict[int, int]:
-        """Ids waiting on each priority's list (copies a reprioritize left included)."""
-        k = self.keys(queue)
-        bands = [int(b) for b in self.client.zrange(k.bands, 0, -1)]
-        with self.client.pipeline(transaction=False) as pipe:
-            for band in [0, *bands]:
-                pipe.llen(k.band(band))
-            lengths = pipe.execute()
-        return {band: n for band, n in zip([0, *bands], lengths, strict=True) if n}
-
     def latency(self, queue: str, *, look: int = LATENCY_LOOK) -> Latency:
         """The age of ``queue``'s oldest ready job and oldest due scheduled job.
 

@@ -11,6 +11,6 @@ database sessions).
 from __future__ import annotations
 
 from .core import Worker, default_worker_id
-from .finisher import WorkerStats
+from .shared import WorkerStats
 
 __all__ = ["Worker", "WorkerStats", "default_worker_id"]

@@ -40,21 +40,20 @@ from .. import mirror
 from ..broker import REDIS_ERRORS, Applied, ClaimedJob
 from ..exceptions import AttemptsExhausted, class_path
 from ..faults import crash_point
-from ..handoff import JobBuffer
 from ..mirror import AttemptRecord
 from ..models import AttemptOutcome, JobState
 from ..periodic.scheduler import Scheduler
 from ..redaction import mask_password
 from ..sweep import Sweep
 from ..tasks import discover
-from .backoff import Backoff, Outage
+from .backoff import Backoff
 from .database import EXECUTOR_THREAD_PREFIX, guard_mirror_sessions
 from .executor import Executor
-from .finisher import Finisher, WorkerStats
+from .finisher import Finisher
 from .leases import LeaseKeeper
 from .maintenance import Maintenance
-from .pace import Pace
 from .registry import InHand
+from .shared import Shared, WorkerStats
 from .skip import QueueSkipper
 
 if TYPE_CHECKING:
@@ -102,71 +101,63 @@ class Worker:
     ) -> None:
         self.backend = backend
         self.config = backend.config
+        self.broker = backend.broker
         self.queues = sorted(queues or backend.queues)
-        self.concurrency = max(1, concurrency)
-        self.worker_id = worker_id or default_worker_id()
         self.burst = burst
         self.max_jobs = max_jobs
         self.grace_s = grace_s
-        #: Jobs claimed beyond those running: fixed, or None to follow the
-        #: pace of the jobs (see pace.py).
-        self.prefetch = self.config.PREFETCH if prefetch is None else prefetch
         self.progress = progress
         #: Stop (``gave_up``) when Redis has not answered for this long (burst runs).
         self.give_up_s = give_up_s
         self.gave_up = False
-        self.broker = backend.broker
-        #: The shards of ``queues`` (just the queues when none is sharded),
-        #: refreshed by every sweep so a change of SHARDS is picked up.
-        self._physical = list(self.queues)
-        #: Skips queues found empty until their wake marker says otherwise.
-        self._skipper = QueueSkipper()
-        self.stats = WorkerStats()
         #: True when a worker thread died of an unexpected error (exit non-zero).
         self.crashed = False
         #: Tasks still running in executor threads when run() returned: their
         #: jobs are left to their leases, so the process must end now (see
         #: runworker), not after an interpreter teardown a lease may not outlive.
         self.left_running = 0
+        #: time.monotonic() when the claim loop last went round (health.HeartbeatFile).
+        self.loop_tick = time.monotonic()
+        #: Skips queues found empty until their wake marker says otherwise.
+        self._skipper = QueueSkipper()
         self._claimed_total = 0
         #: Burst runs: the queue _burst_done last found with work, checked first.
         self._burst_busy: str | None = None
         self._signals = 0
         self._started_at = time.time()
-        #: time.monotonic() when the claim loop last went round (health.HeartbeatFile).
-        self.loop_tick = time.monotonic()
-
-        self._stopping = threading.Event()
-        self._hard_stop = threading.Event()
-        self._slot_freed = threading.Event()
-        self._redis_outage = Outage("Redis")
-        self._db_outage = Outage("The database")
-        self.in_hand = InHand()
-        self.pace = Pace()
-        self._buffer = JobBuffer()
-        self.finisher = Finisher(
-            broker=self.broker, database=self.config.DATABASE, in_hand=self.in_hand,
-            stats=self.stats, redis_outage=self._redis_outage, db_outage=self._db_outage,
-            hard_stop=self._hard_stop, slot_freed=self._slot_freed)
+        self.shared = Shared(
+            worker_id or default_worker_id(), queues=self.queues, concurrency=max(1, concurrency),
+            prefetch=self.config.PREFETCH if prefetch is None else prefetch)
+        self.finisher = Finisher(broker=self.broker, database=self.config.DATABASE,
+                                 shared=self.shared)
         self.maintenance = Maintenance(
             sweep=Sweep(backend, self.queues), database=self.config.DATABASE,
             sweep_interval_ms=self.config.SWEEP_INTERVAL_MS,
-            reconcile_grace_ms=self.config.RECONCILE_GRACE_MS,
-            redis_outage=self._redis_outage, db_outage=self._db_outage,
-            stopping=self._stopping, on_queues=self._set_physical,
+            reconcile_grace_ms=self.config.RECONCILE_GRACE_MS, shared=self.shared,
             on_pass=self._report_progress if burst and progress else None)
-        self.executor = Executor(
-            backend=backend, worker_id=self.worker_id, buffer=self._buffer,
-            in_hand=self.in_hand, finisher=self.finisher, redis_outage=self._redis_outage,
-            stopping=self._stopping, hard_stop=self._hard_stop, slot_freed=self._slot_freed,
-            retry_gate=self.maintenance.retry_gate, pace=self.pace, release=self._release,
-            wants_room=self.wants_room)
+        self.executor = Executor(backend=backend, shared=self.shared, finisher=self.finisher,
+                                 retry_gate=self.maintenance.retry_gate, release=self._release)
         #: Fires periodic jobs (periodic/scheduler.py); never in a burst run.
         self.scheduler = Scheduler(backend) if scheduler and not burst else None
         self.lease_keeper = LeaseKeeper(
-            broker=self.broker, in_hand=self.in_hand, lease_ms=self.config.LEASE_MS,
-            renew_interval_ms=self.config.renew_interval_ms, worker_id=self.worker_id,
-            beat_info=self._beat_info, redis_outage=self._redis_outage)
+            broker=self.broker, shared=self.shared, lease_ms=self.config.LEASE_MS,
+            renew_interval_ms=self.config.renew_interval_ms, beat_info=self._beat_info)
+
+    @property
+    def worker_id(self) -> str:
+        return self.shared.worker_id
+
+    @property
+    def concurrency(self) -> int:
+        return self.shared.concurrency
+
+    @property
+    def in_hand(self) -> InHand:
+        return self.shared.in_hand
+
+    @property
+    def stats(self) -> WorkerStats:
+        return self.shared.stats
 
     # -- lifecycle -------------------------------------------------------
 
@@ -188,12 +179,11 @@ class Worker:
             self.stop()
         else:
             logger.warning("Got %s again: releasing every job now.", signal.Signals(signum).name)
-            self._hard_stop.set()
+            self.shared.hard_stop.set()
             self.stop()
 
     def stop(self) -> None:
-        self._stopping.set()
-        self._slot_freed.set()
+        self.shared.stop()
 
     def run(self) -> WorkerStats:
         """Serve until stopped (or, in burst mode, until nothing is left)."""
@@ -210,7 +200,7 @@ class Worker:
         keeper = self._thread(self.lease_keeper.run, "rj-leases")
         maintenance = self._thread(self.maintenance.run, "rj-maintenance")
         scheduler = self.scheduler
-        scheduling = (self._thread(lambda: scheduler.run(self._stopping), "rj-scheduler")
+        scheduling = (self._thread(lambda: scheduler.run(self.shared.stopping), "rj-scheduler")
                       if scheduler is not None else None)
         try:
             self._main_loop()
@@ -247,7 +237,7 @@ class Worker:
             self.crashed = True
             logger.critical("Worker thread %s died; handing every job back and stopping.",
                             threading.current_thread().name, exc_info=True)
-            self._hard_stop.set()
+            self.shared.hard_stop.set()
             self.stop()
         finally:
             # A thread's database sessions are its own: end them with it, so a
@@ -270,12 +260,12 @@ class Worker:
         the finisher's thread has ended, an outcome it never began to write
         never will be: that job (its task over) is handed back at once.
         """
-        self._stopping.set()
-        self._release([(job, False) for job in self._buffer.close()])
-        deadline = time.monotonic() + (0 if self._hard_stop.is_set() else self.grace_s)
+        self.shared.stopping.set()
+        self._release([(job, False) for job in self.shared.buffer.close()])
+        deadline = time.monotonic() + (0 if self.shared.hard_stop.is_set() else self.grace_s)
         for thread in executors:
             while thread.is_alive() and time.monotonic() < deadline \
-                    and not self._hard_stop.is_set():
+                    and not self.shared.hard_stop.is_set():
                 thread.join(timeout=0.1)
         if self.in_hand.interrupt_running():
             children_deadline = time.monotonic() + CHILD_STOP_S
@@ -283,7 +273,7 @@ class Worker:
                 time.sleep(0.02)
         self.finisher.close()
         finisher_deadline = max(deadline, time.monotonic()) + (
-            0 if self._hard_stop.is_set() else FINISHER_GRACE_S)
+            0 if self.shared.hard_stop.is_set() else FINISHER_GRACE_S)
         while finisher.is_alive() and time.monotonic() < finisher_deadline:
             finisher.join(timeout=0.1)
         releasable = self.in_hand.take_releasable(finisher_ended=not finisher.is_alive())
@@ -337,25 +327,25 @@ class Worker:
 
     def _main_loop(self) -> None:
         backoff = Backoff()
-        while not self._stopping.is_set():
+        while not self.shared.stopping.is_set():
             self.loop_tick = time.monotonic()
             try:
                 if self._limit_reached():
                     break
                 capacity = self._capacity()
                 if capacity <= 0:
-                    self._slot_freed.wait(MAX_WAIT_S)
-                    self._slot_freed.clear()
+                    self.shared.slot_freed.wait(MAX_WAIT_S)
+                    self.shared.slot_freed.clear()
                     continue
                 if self._claim_round(capacity):
                     continue
                 if self.burst:
                     if self._burst_done():
                         break
-                    self._slot_freed.wait(0.05)
-                    self._slot_freed.clear()
+                    self.shared.slot_freed.wait(0.05)
+                    self.shared.slot_freed.clear()
                     continue
-                woken = self.broker.wait(self._physical, MAX_WAIT_S)
+                woken = self.broker.wait(self.shared.physical, MAX_WAIT_S)
                 if woken is not None:
                     queue, moved_id = woken
                     crash_point("after_blmove")
@@ -363,19 +353,19 @@ class Worker:
                 else:
                     self._skipper.try_all()  # idle for a while: try every queue again
                 backoff.reset()
-                if self._redis_outage.ok():
+                if self.shared.redis_outage.ok():
                     # Redis may have come back empty: reconcile as soon as the
                     # grace period allows, not at the next routine pass.
                     self.maintenance.reconcile_soon()
             except REDIS_ERRORS as exc:
-                self._redis_outage.failed(exc, "claiming")
+                self.shared.redis_outage.failed(exc, "claiming")
                 if self._given_up():
                     break
-                backoff.wait(self._stopping)
+                backoff.wait(self.shared.stopping)
 
     def _given_up(self) -> bool:
         """Whether Redis has been down longer than ``give_up_s``; if so, say so once."""
-        down_since = self._redis_outage.down_since
+        down_since = self.shared.redis_outage.down_since
         if self.give_up_s is None or down_since is None:
             return False
         if time.monotonic() - down_since < self.give_up_s:
@@ -383,9 +373,6 @@ class Worker:
         logger.error("Redis has not answered for %.0f s: giving up.", self.give_up_s)
         self.gave_up = True
         return True
-
-    def _set_physical(self, physical: list[str]) -> None:
-        self._physical = physical
 
     def _limit_reached(self) -> bool:
         return (self.max_jobs is not None and self._claimed_total >= self.max_jobs
@@ -402,24 +389,10 @@ class Worker:
         waiting, awaiting_ack = self.in_hand.counts()
         if awaiting_ack >= MAX_AWAITING_ACK:
             return 0
-        ahead = self.pace.ahead(self.concurrency) if self.prefetch is None else self.prefetch
-        room = self.concurrency + ahead - waiting
+        room = self.concurrency + self.shared.ahead() - waiting
         if self.max_jobs is not None:
             room = min(room, self.max_jobs - self._claimed_total)
         return room
-
-    def wants_room(self, waiting: int) -> bool:
-        """Whether a job that just ran should wake the main loop to claim more.
-
-        ``waiting``: jobs in hand not run yet (running ones included). Yes
-        when a thread may go idle, or when at most half of the claim ahead is
-        left; not after every job of a flood, which woke the main loop (an
-        Event, a count of the room, a small claim) once per job.
-        """
-        if waiting < self.concurrency:
-            return True
-        ahead = self.pace.ahead(self.concurrency) if self.prefetch is None else self.prefetch
-        return 2 * waiting <= self.concurrency + ahead
 
     def _claim_round(self, capacity: int) -> int:
         """Claim without blocking from every queue in turn; return how many.
@@ -429,7 +402,7 @@ class Worker:
         have work (skip.py).
         """
         claimed = 0
-        for queue in self._skipper.round(self._physical, self.broker.woken):
+        for queue in self._skipper.round(self.shared.physical, self.broker.woken):
             if capacity - claimed <= 0:
                 break
             claimed += self._claim(queue, capacity - claimed, None)
@@ -441,7 +414,7 @@ class Worker:
         crash_point("after_claim")
         self.in_hand.add(result.jobs)
         self._claimed_total += len(result.jobs)
-        self._buffer.put(result.jobs)
+        self.shared.buffer.put(result.jobs)
         for job_id, attempts, gen in result.dead:
             self.finisher.record(mirror.expired_record(
                 job_id, attempts, dead=True, gen=gen,
@@ -463,7 +436,7 @@ class Worker:
         """
         if len(self.in_hand):
             return False
-        queues = self._physical
+        queues = self.shared.physical
         if self._burst_busy in queues:  # the queue that had work last time, first
             queues = [self._burst_busy, *(q for q in queues if q != self._burst_busy)]
         for queue in queues:

@@ -32,27 +32,26 @@ from ..broker import REDIS_ERRORS, Applied, ClaimedJob
 from ..cancellation import JobContext
 from ..compat import (
     TaskResult,
-    TaskResultStatus,
     normalize_json,
     task_finished,
     task_started,
 )
 from ..exceptions import JobCancelled, JobTimeout, UnknownTask, class_path
 from ..faults import crash_point
-from ..handoff import JobBuffer, StartMarks
+from ..handoff import StartMarks
 from ..isolation import ChildFailed, ChildStopped, run_in_child
 from ..keys import logical_queue
 from ..logformat import log_attempt
 from ..mirror import CANCELLED_ERROR, AttemptRecord, cancelled_record
 from ..models import AttemptOutcome, JobState
-from ..results import finish_failed, task_result
+from ..results import attempt_result, finish_cancelled, finish_failed, finish_succeeded
 from ..signalwatch import SignalWatch
 from ..tasks import lookup
-from .backoff import Backoff, Outage
+from .backoff import Backoff
 from .database import close_old_connections_if_opened
 from .finisher import FinishedAttempt, Finisher
-from .pace import Pace
-from .registry import Held, InHand, printable
+from .registry import Held, printable
+from .shared import Shared
 
 if TYPE_CHECKING:
     from ..backend import ReliableJobsBackend
@@ -80,27 +79,27 @@ def mark_group(average_ms: float | None) -> int:
 class Executor:
     """What every executor thread runs; the threads share one instance."""
 
-    def __init__(self, *, backend: ReliableJobsBackend, worker_id: str, buffer: JobBuffer,
-                 in_hand: InHand, finisher: Finisher, redis_outage: Outage,
-                 stopping: threading.Event, hard_stop: threading.Event,
-                 slot_freed: threading.Event, retry_gate: threading.Lock, pace: Pace,
-                 release: Callable[[list[tuple[ClaimedJob, bool]]], None],
-                 wants_room: Callable[[int], bool] = lambda waiting: True) -> None:
+    def __init__(self, *, backend: ReliableJobsBackend, shared: Shared, finisher: Finisher,
+                 retry_gate: threading.Lock,
+                 release: Callable[[list[tuple[ClaimedJob, bool]]], None]) -> None:
         self.backend = backend
         self.config = backend.config
-        self.worker_id = worker_id
-        self.buffer = buffer
-        self.in_hand = in_hand
         self.finisher = finisher
-        self.redis_outage = redis_outage
-        self.stopping = stopping
-        self.hard_stop = hard_stop
-        self.slot_freed = slot_freed
-        self.release = release
+        #: Held by a sweep that may requeue jobs (see Maintenance.sweep_once).
         self.retry_gate = retry_gate
-        self.pace = pace
+        #: Hands jobs back to their queue (Worker._release).
+        self.release = release
+        # The shared state, bound once: every job reads these.
+        self.worker_id = shared.worker_id
+        self.buffer = shared.buffer
+        self.in_hand = shared.in_hand
+        self.redis_outage = shared.redis_outage
+        self.stopping = shared.stopping
+        self.hard_stop = shared.hard_stop
+        self.slot_freed = shared.slot_freed
+        self.pace = shared.pace
         #: Given the jobs in hand not run yet, whether to wake the main loop to claim.
-        self.wants_room = wants_room
+        self.wants_room = shared.wants_room
         self.start_marks = StartMarks(backend.broker)
         #: timezone.now() without its settings look-up per call (twice a job):
         #: USE_TZ is read once per worker.
@@ -152,7 +151,7 @@ class Executor:
                 if not self._execute(job, held):
                     continue  # its killed child was not reaped: left to its lease
                 # Room to claim ahead again, when the main loop wants it (see
-                # Worker.wants_room: not after every no-op job). Set only if not
+                # Shared.wants_room: not after every no-op job). Set only if not
                 # set already: the main loop clears it before it counts the
                 # room, so an Event still set means it has yet to count.
                 if self.wants_room(self.in_hand.done(job)) and not self.slot_freed.is_set():
@@ -286,9 +285,7 @@ class Executor:
                 return True
             finished_at = self.now()
             if result is not None:
-                object.__setattr__(result, "status", TaskResultStatus.SUCCESSFUL)
-                object.__setattr__(result, "finished_at", finished_at)
-                object.__setattr__(result, "_return_value", value)
+                finish_succeeded(result, value=value, finished_at=finished_at)
                 task_finished.send(type(self.backend), task_result=result)
             done = AttemptRecord(job_id=job.id, attempt=job.attempt, gen=job.gen,
                                  job_state=JobState.SUCCEEDED, worker_id=self.worker_id,
@@ -343,13 +340,10 @@ class Executor:
 
     def _task_result(self, task: Any, job: ClaimedJob, decoded: payload.Payload,
                      started_at: datetime) -> TaskResult[..., Any]:
-        queue = logical_queue(job.queue)  # the shard's queue, as enqueued
-        if task.queue_name != queue:
-            task = task.using(queue_name=queue)
-        return task_result(
-            task, job_id=job.id, status=TaskResultStatus.RUNNING, started_at=started_at,
-            last_attempted_at=started_at, args=decoded.args, kwargs=decoded.kwargs,
-            backend=self.backend.alias, worker_ids=[self.worker_id] * job.attempt,
+        return attempt_result(
+            task, job_id=job.id, queue=logical_queue(job.queue),  # the shard's queue, as enqueued
+            args=decoded.args, kwargs=decoded.kwargs, backend=self.backend.alias,
+            started_at=started_at, worker_id=self.worker_id, attempt=job.attempt,
         )
 
     def _cancelled(self, job: ClaimedJob, exc: BaseException | None, task_path: str,
@@ -374,9 +368,8 @@ class Executor:
         record.worker_id, record.started_at = self.worker_id, started_at
         record.traceback = payload.storable_text(trace)
         if result is not None:
-            finish_failed(result, exception_class_path=class_path(JobCancelled),
-                          traceback=record.traceback or record.error,
-                          finished_at=record.finished_at)
+            finish_cancelled(result, traceback=record.traceback or record.error,
+                             finished_at=record.finished_at)
             task_finished.send(type(self.backend), task_result=result)
         self.finisher.submit(FinishedAttempt(record, job=job, delay_ms=None))
         took_ms = ((record.finished_at or timezone.now()) - started_at).total_seconds() * 1000

@@ -26,9 +26,10 @@ from ..broker import REDIS_ERRORS, Applied, Broker, ClaimedJob
 from ..faults import crash_point, raise_point
 from ..mirror import AttemptRecord
 from ..models import AttemptOutcome
-from .backoff import Backoff, Outage
+from .backoff import Backoff
 from .database import is_transient
-from .registry import InHand, printable
+from .registry import printable
+from .shared import Shared
 
 logger = logging.getLogger("reliable_jobs.worker")
 
@@ -52,30 +53,18 @@ class FinishedAttempt:
     task: str = "?"
 
 
-@dataclass
-class WorkerStats:
-    succeeded: int = 0
-    failed: int = 0
-    dead: int = 0
-    refused: int = 0
-    #: Outcomes Redis finished as cancelled (the job was cancelled while it ran).
-    cancelled: int = 0
-
-
 class Finisher:
     """A thread that mirrors outcomes in batches and then applies them in Redis."""
 
-    def __init__(self, *, broker: Broker, database: str, in_hand: InHand, stats: WorkerStats,
-                 redis_outage: Outage, db_outage: Outage, hard_stop: threading.Event,
-                 slot_freed: threading.Event) -> None:
+    def __init__(self, *, broker: Broker, database: str, shared: Shared) -> None:
         self.broker = broker
         self.database = database
-        self.in_hand = in_hand
-        self.stats = stats
-        self.redis_outage = redis_outage
-        self.db_outage = db_outage
-        self.hard_stop = hard_stop
-        self.slot_freed = slot_freed
+        self.in_hand = shared.in_hand
+        self.stats = shared.stats
+        self.redis_outage = shared.redis_outage
+        self.db_outage = shared.db_outage
+        self.hard_stop = shared.hard_stop
+        self.slot_freed = shared.slot_freed
         #: Outcomes and records, flush markers (wait_until_flushed) and None (close).
         self._queue: queue_module.SimpleQueue[FinishedAttempt | threading.Event | None] = \
             queue_module.SimpleQueue()

@@ -21,8 +21,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ..broker import REDIS_ERRORS, Applied, Broker
-from .backoff import Outage
-from .registry import InHand, printable
+from .registry import printable
+from .shared import Shared
 
 logger = logging.getLogger("reliable_jobs.worker")
 
@@ -33,17 +33,16 @@ RETRY_RENEW_S = 0.2
 class LeaseKeeper:
     """A thread that renews leases every ``renew_interval_ms`` and beats every few seconds."""
 
-    def __init__(self, *, broker: Broker, in_hand: InHand, lease_ms: int, renew_interval_ms: int,
-                 worker_id: str, beat_info: Callable[[], dict[str, Any]],
-                 redis_outage: Outage) -> None:
+    def __init__(self, *, broker: Broker, shared: Shared, lease_ms: int, renew_interval_ms: int,
+                 beat_info: Callable[[], dict[str, Any]]) -> None:
         self.broker = broker
-        self.in_hand = in_hand
+        self.in_hand = shared.in_hand
         self.lease_ms = lease_ms
         self.renew_interval_s = renew_interval_ms / 1000
         self.beat_interval_s = min(5.0, lease_ms / 3000)
-        self.worker_id = worker_id
+        self.worker_id = shared.worker_id
         self.beat_info = beat_info
-        self.redis_outage = redis_outage
+        self.redis_outage = shared.redis_outage
         self._stop = threading.Event()
 
     def stop(self) -> None:

@@ -18,7 +18,7 @@ from django.db import DatabaseError, InterfaceError, connections
 
 from ..broker import REDIS_ERRORS
 from ..sweep import Sweep
-from .backoff import Outage
+from .shared import Shared
 
 logger = logging.getLogger("reliable_jobs.worker")
 
@@ -32,18 +32,16 @@ class Maintenance:
     """A thread that sweeps every ``sweep_interval_ms`` and reconciles every 30 s."""
 
     def __init__(self, *, sweep: Sweep, database: str, sweep_interval_ms: int,
-                 reconcile_grace_ms: int, redis_outage: Outage,
-                 db_outage: Outage, stopping: threading.Event,
-                 on_queues: Callable[[list[str]], None],
+                 reconcile_grace_ms: int, shared: Shared,
                  on_pass: Callable[[], None] | None = None) -> None:
         self.sweep = sweep
         self.database = database
         self.sweep_interval_s = sweep_interval_ms / 1000
         self.reconcile_grace_s = reconcile_grace_ms / 1000
-        self.redis_outage = redis_outage
-        self.db_outage = db_outage
-        self.stopping = stopping
-        self.on_queues = on_queues
+        self.redis_outage = shared.redis_outage
+        self.db_outage = shared.db_outage
+        self.stopping = shared.stopping
+        self.shared = shared
         self.on_pass = on_pass
         #: Held while a pass may have requeued jobs whose records are not yet
         #: mirrored (see sweep_once).
@@ -79,7 +77,7 @@ class Maintenance:
         with self.retry_gate:
             try:
                 physical = self.sweep.physical_queues()
-                self.on_queues(physical)
+                self.shared.physical = physical
                 report = self.sweep.redis_pass(physical)
             except REDIS_ERRORS as exc:
                 self.redis_outage.failed(exc, "sweeping")

@@ -80,10 +80,6 @@ class InHand:
                 if held is not None and held.done:
                     self._done -= 1
 
-    def start(self, job: ClaimedJob) -> bool:
-        """Mark ``job`` running; False (and dropped) when its lease was lost meanwhile."""
-        return self.begin(job) is not None
-
     def begin(self, job: ClaimedJob) -> Held | None:
         """Mark ``job`` running and return its entry (its cancel and interrupt
         flags); None (and dropped) when its lease was lost or it was handed
@@ -107,12 +103,6 @@ class InHand:
                 held.done = True
                 self._done += 1
             return len(self._held) - self._done
-
-    def cancellation(self, job: ClaimedJob) -> Cancellation:
-        """The cancel flag of ``job``'s attempt (a fresh one if it is no longer in hand)."""
-        with self._lock:
-            held = self._held.get(held_key(job))
-            return held.cancellation if held is not None else Cancellation()
 
     def cancel(self, jobs: Iterable[ClaimedJob]) -> list[ClaimedJob]:
         """Request cancellation of ``jobs``; return those not requested before."""
