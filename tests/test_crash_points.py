@@ -76,8 +76,10 @@ def test_worker_killed_at_each_step_loses_nothing(
         # Wait until it blocks in BLMOVE: a worker still in its first claim round
         # would claim the first jobs with the claim script and die holding them.
         victim = processes.worker(env, extra_env=crash)
-        db = str(redis_client.connection_pool.connection_kwargs.get("db", 0))
-        wait_until(lambda: any(client.get("cmd") == "blmove" and client.get("db") == db
+        # (its own connection, named after its pid: a client another test left
+        # blocked in BLMOVE on this database must not count)
+        name = f"reliable_jobs:{victim.pid}"
+        wait_until(lambda: any(client.get("cmd") == "blmove" and client.get("name") == name
                                for client in redis_client.client_list()),
                    message="the worker to wait in BLMOVE")
         results = [demo.add.enqueue(i, 100) for i in range(JOBS)]
