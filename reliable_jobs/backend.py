@@ -17,8 +17,6 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Iterable, Sequence
-from dataclasses import fields
-from datetime import datetime
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -36,30 +34,23 @@ from .compat import (
     BaseTaskBackend,
     InvalidTask,
     Task,
-    TaskError,
     TaskResult,
     TaskResultDoesNotExist,
-    TaskResultStatus,
     task_enqueued,
 )
 from .keys import is_valid_queue_name
 from .newjobs import Calls, NewJobsBuilder
 from .reachability import ensure_reachable
-from .results import task_result
+from .results import job_result
 from .signalwatch import SignalWatch
 from .tasks import ReliableTask, lookup
 
 if TYPE_CHECKING:
     from .mirror import NewRow, UniqueRule
-    from .models import Attempt, Job
+    from .models import Job
     from .staff import StaffResult
 
 logger = logging.getLogger("reliable_jobs")
-
-#: A job hash's state (see the scripts) as the mirror's JobState value; a
-#: 'finished' tombstone is a rebuilt job that succeeded.
-REDIS_TO_JOB_STATE = {"queued": "queued", "scheduled": "scheduled", "running": "running",
-                      "dead": "dead", "finished": "succeeded", "cancelled": "cancelled"}
 
 
 class ReliableJobsBackend(BaseTaskBackend):
@@ -170,22 +161,15 @@ class ReliableJobsBackend(BaseTaskBackend):
 
         rule = self._unique_rule(task)
         build = NewJobsBuilder(
-            task, calls, alias=self.alias, now=timezone.now(),
-            max_attempts=self.task_option(task, "max_attempts"),
+            task, calls, alias=self.alias, now=timezone.now(), trace=trace,
+            max_attempts=self.task_option(task, "max_attempts"), keyed=rule is not None,
             max_bytes=self.config.MAX_PAYLOAD_BYTES,
-            shards=self.config.SHARDS.get(task.queue_name, 1), trace=trace,
-            keyed=rule is not None)
+            shards=self.config.SHARDS.get(task.queue_name, 1))
         rows: Iterable[NewRow] = build.rows()
         if rule is not None or len(calls) == 1:
             rows = list(rows)  # every call checked (and keyed) before the first write
-        held = mirror.insert_jobs(self.database, mirror.NewJobs.at(
-            build.now, backend=self.alias, queue=task.queue_name, task_path=task.module_path,
-            priority=task.priority, max_attempts=build.max_attempts, run_after=task.run_after,
-            rows=rows), unique=rule)
-        results = fresh = build.results
-        if rule is not None:
-            assert isinstance(rows, list)
-            results, fresh = self._held_results(task, rows, build.results, held)
+        held = mirror.insert_jobs(self.database, build.new_jobs(rows), unique=rule)
+        results, fresh = build.settle(held, lambda job: job_result(job, task, backend=self.alias))
         self._push_on_commit(build.pushes_of(fresh))
         if fresh and self._enqueued_watch.observed():
             for result in fresh:
@@ -204,48 +188,7 @@ class ReliableJobsBackend(BaseTaskBackend):
             raise InvalidTask(problem)
         return UniqueRule(window_ms=task.unique_for_ms or 0,
                           while_running=task.unique_while_running,
-                          states_in_redis=self._states_in_redis)
-
-    def _held_results(self, task: Task[..., Any], rows: list[NewRow],
-                      made: list[TaskResult[..., Any]], held: dict[str, Job],
-                      ) -> tuple[list[TaskResult[..., Any]], list[TaskResult[..., Any]]]:
-        """Each unique call's result, and those of the jobs inserted.
-
-        A call whose key another unfinished job holds gets that job's
-        result; equal calls of one enqueue share the first one's job, which
-        was inserted. One result per job, so equal calls get the same object.
-        """
-        by_key: dict[str, TaskResult[..., Any]] = {}
-        fresh: list[TaskResult[..., Any]] = []
-        for (_, _, _, _, key), result in zip(rows, made, strict=True):
-            if str(key) not in by_key:
-                holder = held.get(str(key))
-                by_key[str(key)] = result if holder is None else self._result(holder, task)
-                if holder is None:
-                    fresh.append(result)
-        return [by_key[str(key)] for *_, key in rows], fresh
-
-    def _states_in_redis(self, rows: Sequence[Job]) -> dict[str, str]:
-        """Each job's state as Redis has it (a JobState value), by id: ahead of its row.
-
-        A claimed job whose task has not begun is still queued: it runs after
-        the call that asks. Jobs Redis does not hold are left out, and so
-        is every job when Redis cannot answer: the rows decide then.
-        """
-        try:
-            progress = self.broker.progress([(row.physical_queue, str(row.pk)) for row in rows])
-        except REDIS_ERRORS as exc:
-            logger.warning("Redis did not say whether %d unique job(s) started (%s); their "
-                           "database rows decide.", len(rows), exc)
-            return {}
-        states = {}
-        for job_id, held in progress.items():
-            state = REDIS_TO_JOB_STATE.get(held.state)
-            if state == "running" and not held.started:
-                state = "queued"
-            if state is not None:
-                states[job_id] = state
-        return states
+                          states_in_redis=lambda rows: unique.states_in_redis(self.broker, rows))
 
     def _push_on_commit(self, by_shard: dict[str, list[NewJob]]) -> None:
         """Push jobs (by physical queue) once the transaction commits, 1,000 per script call."""
@@ -286,7 +229,8 @@ class ReliableJobsBackend(BaseTaskBackend):
                                                         backend=self.alias)
         except (ValueError, Job.DoesNotExist):
             raise TaskResultDoesNotExist(result_id) from None
-        return self._result(job, self._task_for(job), attempts=list(job.attempt_set.all()))
+        return job_result(job, self._task_for(job), backend=self.alias,
+                          attempts=list(job.attempt_set.all()))
 
     def _task_for(self, job: Job) -> Task[..., Any]:
         task = lookup(job.task_path)
@@ -302,35 +246,6 @@ class ReliableJobsBackend(BaseTaskBackend):
                 f"Job {job.pk} names {job.task_path!r}, which is no longer a task."
             )
         return task
-
-    def _result(self, job: Job, task: Task[..., Any],
-                attempts: list[Attempt] | None = None) -> TaskResult[..., Any]:
-        from .models import FAILED_OUTCOMES
-
-        attempts = attempts or []
-        if job.queue != task.queue_name or job.run_after != task.run_after:
-            task = _as_enqueued(task, queue_name=job.queue, run_after=job.run_after)
-        result = task_result(
-            task,
-            job_id=str(job.pk),
-            status=job.task_status,
-            enqueued_at=job.enqueued_at,
-            started_at=job.started_at,
-            finished_at=job.finished_at,
-            last_attempted_at=max((a.started_at for a in attempts if a.started_at), default=None),
-            args=list(job.args),
-            kwargs=dict(job.kwargs),
-            backend=self.alias,
-            errors=[
-                TaskError(exception_class_path=a.exception_class_path or "builtins.Exception",
-                          traceback=a.traceback or a.error)
-                for a in attempts if a.outcome in FAILED_OUTCOMES
-            ],
-            worker_ids=[a.worker_id for a in attempts],
-        )
-        if result.status == TaskResultStatus.SUCCESSFUL:
-            object.__setattr__(result, "_return_value", job.return_value)
-        return result
 
     # -- cancel ------------------------------------------------------------
 
@@ -359,20 +274,3 @@ class ReliableJobsBackend(BaseTaskBackend):
         from .checks import check_backend  # see the module docstring
 
         return check_backend(self)
-
-
-def _as_enqueued(task: Task[..., Any], *, queue_name: str,
-                 run_after: datetime | None) -> Task[..., Any]:
-    """Return ``task`` with the queue and run_after a job was enqueued with.
-
-    Not ``task.using()``: that validates against today's settings, so the
-    result of a job on a queue since removed from QUEUES could not be read,
-    and it cannot set run_after back to None. A stored job is history, not a
-    new request, so the copy is made without validating or registering it.
-    """
-    copy = object.__new__(type(task))
-    for f in fields(task):
-        object.__setattr__(copy, f.name, getattr(task, f.name))
-    object.__setattr__(copy, "queue_name", queue_name)
-    object.__setattr__(copy, "run_after", run_after)
-    return copy

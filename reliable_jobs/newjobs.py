@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +23,8 @@ from .keys import shard_queue
 from .results import ResultStamp, task_result
 
 if TYPE_CHECKING:
-    from .mirror.records import NewRow
+    from .mirror.records import NewJobs, NewRow
+    from .models import Job
 
 #: The status of a job just enqueued, queued or scheduled (``models.TASK_STATUS``).
 NEW_JOB_STATUS = TaskResultStatus.READY
@@ -52,6 +53,17 @@ class NewJobsBuilder:
         self.pushes: dict[str, list[NewJob]] = defaultdict(list)
         #: Each call's result, in the calls' order.
         self.results: list[TaskResult[..., Any]] = []
+        #: Each call's unique key, in the calls' order (``keyed`` only).
+        self.keys: list[str] = []
+
+    def new_jobs(self, rows: Iterable[NewRow]) -> NewJobs:
+        """The mirror's form of this enqueue, its rows ``rows`` (made by :meth:`rows`)."""
+        from .mirror.records import NewJobs  # not at module level: see backend's docstring
+
+        task = self.task
+        return NewJobs.at(self.now, backend=self.alias, queue=task.queue_name,
+                          task_path=task.module_path, priority=task.priority,
+                          max_attempts=self.max_attempts, run_after=task.run_after, rows=rows)
 
     def rows(self) -> Iterator[NewRow]:
         """Each call's row (see NewRow), its push and result recorded as it is made."""
@@ -67,6 +79,7 @@ class NewJobsBuilder:
             text, args_json, kwargs_json = encode(args, kwargs)
             if self.keyed:
                 key = unique.key_for(task, self.alias, args, kwargs)  # type: ignore[arg-type]  # keyed: a ReliableTask
+                self.keys.append(key)
             job_id = next(ids)
             job = NewJob(job_id, text, max_attempts, due_ms, priority=priority)
             if shards > 1:
@@ -76,6 +89,28 @@ class NewJobsBuilder:
                 pushes.append(job)
             self.results.append(stamp(job_id, args, kwargs))
             yield job_id, shard, args_json, kwargs_json, key
+
+    def settle(self, held: Mapping[str, Job], result_of: Callable[[Job], TaskResult[..., Any]],
+               ) -> tuple[list[TaskResult[..., Any]], list[TaskResult[..., Any]]]:
+        """Each call's result, and the results of the jobs inserted (to push and signal).
+
+        ``held`` is the mirror's answer: the unfinished job holding a key,
+        by key, for the calls whose key another job holds (they get that
+        job's result, ``result_of`` it). Equal calls of one enqueue share
+        the first one's job, which was inserted. One result per job, so
+        equal calls get the same object. Without keys every job is new.
+        """
+        if not self.keyed:
+            return self.results, self.results
+        by_key: dict[str, TaskResult[..., Any]] = {}
+        fresh: list[TaskResult[..., Any]] = []
+        for key, result in zip(self.keys, self.results, strict=True):
+            if key not in by_key:
+                holder = held.get(key)
+                by_key[key] = result if holder is None else result_of(holder)
+                if holder is None:
+                    fresh.append(result)
+        return [by_key[key] for key in self.keys], fresh
 
     def pushes_of(self, results: Sequence[TaskResult[..., Any]]) -> dict[str, list[NewJob]]:
         """The pushes of the jobs whose ``results`` are given (those inserted), by queue."""
