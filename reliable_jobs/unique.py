@@ -6,7 +6,7 @@ the function's signature so ``f(1)`` and ``f(x=1)`` agree; or only the
 arguments ``unique_by`` names; or whatever ``unique_by`` returns when it is
 a function). The key only names the call: the database decides who holds
 it (a partial unique index over the keys of unfinished jobs, see
-``models.Job`` and ``mirror.insert_unique_jobs``), Redis says whether the
+``models.Job`` and ``mirror.insert_jobs``), Redis says whether the
 holder's task started or ended (its rows learn it later), and Redis holds
 nothing about the key itself.
 """
