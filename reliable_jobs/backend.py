@@ -192,6 +192,8 @@ class ReliableJobsBackend(BaseTaskBackend):
 
     def _push_on_commit(self, by_shard: dict[str, list[NewJob]]) -> None:
         """Push jobs (by physical queue) once the transaction commits, 1,000 per script call."""
+        if not by_shard:
+            return
 
         def push() -> None:
             for physical, new_jobs in by_shard.items():
