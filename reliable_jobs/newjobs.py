@@ -69,8 +69,10 @@ class NewJobsBuilder:
         """Each call's row (see NewRow), its push and result recorded as it is made."""
         task, max_attempts, priority = self.task, self.max_attempts, self.task.priority
         due_ms, shards, encode = epoch_ms(task.run_after), self.shards, self.encode
-        stamp = ResultStamp(task_result(task, job_id="", status=NEW_JOB_STATUS, args=[],
-                                        kwargs={}, backend=self.alias, enqueued_at=self.now))
+        # The first result is built whole and is the template of the others
+        # (see ResultStamp); a single enqueue builds just that one.
+        stamp: ResultStamp | None = None
+        many = len(self.calls) > 1
         ids = new_job_ids(max(1, min(len(self.calls), BATCH)))
         pushes = self.pushes[shard_queue(task.queue_name, 0)]  # every job's, without shards
         shard, key = 0, None
@@ -87,7 +89,13 @@ class NewJobsBuilder:
                 self.pushes[shard_queue(task.queue_name, shard)].append(job)
             else:
                 pushes.append(job)
-            self.results.append(stamp(job_id, args, kwargs))
+            if stamp is not None:
+                self.results.append(stamp(job_id, args, kwargs))
+            else:
+                self.results.append(task_result(
+                    task, job_id=job_id, status=NEW_JOB_STATUS, args=args, kwargs=kwargs,
+                    backend=self.alias, enqueued_at=self.now))
+                stamp = ResultStamp(self.results[0]) if many else None
             yield job_id, shard, args_json, kwargs_json, key
 
     def settle(self, held: Mapping[str, Job], result_of: Callable[[Job], TaskResult[..., Any]],
