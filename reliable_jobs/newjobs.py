@@ -69,6 +69,7 @@ class NewJobsBuilder:
         """Each call's row (see NewRow), its push and result recorded as it is made."""
         task, max_attempts, priority = self.task, self.max_attempts, self.task.priority
         due_ms, shards, encode = epoch_ms(task.run_after), self.shards, self.encode
+        keyed, results, keys = self.keyed, self.results, self.keys
         # The first result is built whole and is the template of the others
         # (see ResultStamp); a single enqueue builds just that one.
         stamp: ResultStamp | None = None
@@ -79,9 +80,9 @@ class NewJobsBuilder:
         for call_args, call_kwargs in self.calls:
             args, kwargs = list(call_args), dict(call_kwargs)
             text, args_json, kwargs_json = encode(args, kwargs)
-            if self.keyed:
+            if keyed:
                 key = unique.key_for(task, self.alias, args, kwargs)  # type: ignore[arg-type]  # keyed: a ReliableTask
-                self.keys.append(key)
+                keys.append(key)
             job_id = next(ids)
             job = NewJob(job_id, text, max_attempts, due_ms, priority=priority)
             if shards > 1:
@@ -90,12 +91,12 @@ class NewJobsBuilder:
             else:
                 pushes.append(job)
             if stamp is not None:
-                self.results.append(stamp(job_id, args, kwargs))
+                results.append(stamp(job_id, args, kwargs))
             else:
-                self.results.append(task_result(
+                results.append(task_result(
                     task, job_id=job_id, status=NEW_JOB_STATUS, args=args, kwargs=kwargs,
                     backend=self.alias, enqueued_at=self.now))
-                stamp = ResultStamp(self.results[0]) if many else None
+                stamp = ResultStamp(results[0]) if many else None
             yield job_id, shard, args_json, kwargs_json, key
 
     def settle(self, held: Mapping[str, Job], result_of: Callable[[Job], TaskResult[..., Any]],
