@@ -9,7 +9,10 @@ that calls ``os._exit`` or crashes the interpreter) fails only its attempt.
 
 A job cancelled while its child runs (see cancellation.py) is stopped the
 same way: the lease keeper's cancel request SIGKILLs the child, and the
-attempt ends with :class:`JobCancelled`.
+attempt ends with :class:`JobCancelled`. A worker stopping past its grace
+period interrupts the attempt the same way too: the child is SIGKILLed and
+reaped, and :class:`ChildStopped` tells the executor so, which then hands
+the job back at once (nothing of the attempt runs any more).
 
 Only JSON crosses the pipe: the payload text in, a JSON reply out.
 
@@ -108,14 +111,30 @@ class ChildDied(Exception):
     """The child process exited without answering (killed, crashed, os._exit)."""
 
 
+class ChildStopped(Exception):
+    """The worker stopped the attempt (its ``interrupt``) and killed its child.
+
+    ``reaped``: the child's exit was seen, so nothing of the attempt runs
+    any more and the job may be handed back at once. False only if the
+    killed child could not be waited for: the job is then left to its lease.
+    """
+
+    def __init__(self, *, reaped: bool) -> None:
+        super().__init__("the worker stopped past its grace period and killed the attempt's "
+                         "process")
+        self.reaped = reaped
+
+
 def run_in_child(*, payload_text: str, job_id: str, attempt: int, worker_id: str,
                  backend: str, queue: str, timeout_s: float,
-                 cancellation: Cancellation | None = None) -> Any:
+                 cancellation: Cancellation | None = None,
+                 interrupt: Cancellation | None = None) -> Any:
     """Run the payload's task in a fresh child; return its JSON return value.
 
-    A cancel requested through ``cancellation`` kills the child at once.
-    Raises JobTimeout, JobCancelled, ChildDied, RetryLater, PermanentFailure
-    or ChildFailed.
+    A cancel requested through ``cancellation``, or a stop through
+    ``interrupt``, kills the child at once. Raises ChildStopped (an
+    interrupt, whatever else happened), JobTimeout, JobCancelled, ChildDied,
+    RetryLater, PermanentFailure or ChildFailed.
     """
     _ensure_forkserver()
     receiver, sender = _context.Pipe(duplex=False)
@@ -126,8 +145,10 @@ def run_in_child(*, payload_text: str, job_id: str, attempt: int, worker_id: str
     )
     child.start()
     sender.close()
-    # SIGKILL, never waited for: the hook runs on the lease keeper's thread.
+    # SIGKILL, never waited for: the hooks run on the lease keeper's and the
+    # stopping main thread.
     forget_hook = (cancellation or Cancellation()).on_request(child.kill)
+    forget_interrupt = (interrupt or Cancellation()).on_request(child.kill)
     try:
         if not receiver.poll(timeout_s):
             raise JobTimeout(f"the attempt ran longer than its limit of {timeout_s * 1000:.0f} ms "
@@ -136,12 +157,15 @@ def run_in_child(*, payload_text: str, job_id: str, attempt: int, worker_id: str
             reply = json.loads(receiver.recv_bytes())
         except (EOFError, OSError):
             child.join(timeout=5)
+            if interrupt is not None and interrupt.requested():
+                raise ChildStopped(reaped=child.exitcode is not None) from None
             if cancellation is not None and cancellation.requested():
                 raise JobCancelled("its process was killed") from None
             raise ChildDied(f"the task's process exited with code {child.exitcode} "
                             "before answering") from None
     finally:
         forget_hook()
+        forget_interrupt()
         if child.is_alive():
             child.kill()
         child.join(timeout=5)

@@ -11,8 +11,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -146,6 +148,27 @@ def drain_here() -> None:
     try:
         Worker(task_backends["default"], queues=["default"], burst=True).run()
     finally:
+        connection_created.disconnect(dispatch_uid="reliable_jobs.worker.limits.default")
+        database.settings_dict["OPTIONS"] = options
+        database.close()
+
+
+@contextmanager
+def worker_in_thread(worker: Worker) -> Iterator[threading.Thread]:
+    """Run ``worker`` in a thread of this process; take its session limits back after.
+
+    A worker limits its database sessions for its whole process (see
+    drain_here): every later test would have them otherwise.
+    """
+    database = connections["default"]
+    options = dict(database.settings_dict.get("OPTIONS", {}))
+    thread = threading.Thread(target=worker.run, name="test-worker", daemon=True)
+    thread.start()
+    try:
+        yield thread
+    finally:
+        worker.stop()
+        thread.join(timeout=30)
         connection_created.disconnect(dispatch_uid="reliable_jobs.worker.limits.default")
         database.settings_dict["OPTIONS"] = options
         database.close()

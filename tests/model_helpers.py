@@ -7,18 +7,20 @@ Django shell by building :class:`QueueMachine` and calling the same methods.
 Every step is one thing a real process does, in the order the real code
 does it (``reliable_jobs/worker``, ``sweep.py``, ``staff.py``), with nothing
 running in between: the machine picks the interleaving, and the invariants
-are checked after each step.
+are checked after each step. Where a step is a real part's own decision (a
+worker's shutdown, the finisher's Redis step) the machine runs that real
+part (tests/model_faults.py), so it follows the code as it changes.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from django.db import transaction
+from django.db import DatabaseError, transaction
 from django.utils import timezone
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -35,17 +37,31 @@ from reliable_jobs.compat import task_backends
 from reliable_jobs.mirror import AttemptRecord
 from reliable_jobs.models import UNFINISHED_STATES, AttemptOutcome, Job, JobState
 from reliable_jobs.sweep import Sweep
+from reliable_jobs.worker.finisher import FinishedAttempt
 from testproject.demo import tasks as demo
 
-#: Lease length of every claim: short, so a step can outlive it.
-LEASE_MS = 100
+from .model_faults import SlowPush, failing_commit, finisher, stop_like_a_worker
+
+#: Lease length of every claim. Long: a lease runs out only when a step
+#: says time passes (:meth:`QueueMachine.jump`), never because the machine
+#: was slow, so the same program does the same thing every run (Hypothesis
+#: replays programs, and a lease that ran out in one run but not in its
+#: replay made the test fail as "flaky" on a loaded machine).
+LEASE_MS = 30_000
+#: How far the clock jumps when a step lets time pass: past every lease.
+JUMP_MS = LEASE_MS * 6 // 5
 #: The one queue the machine uses.
 QUEUE = "default"
 #: Workers the machine simulates.
 WORKERS = 3
-#: How far in the future a deferred enqueue is due, and a retry delay.
-DEFER_MS = 150
-RETRY_DELAY_MS = 30
+#: How far in the future a deferred enqueue is due, and a retry delay: both
+#: due after one jump.
+DEFER_MS = LEASE_MS // 3
+RETRY_DELAY_MS = LEASE_MS // 10
+#: How far back ``backdate`` moves every row: past reconcile's grace
+#: (RECONCILE_GRACE_MS = LEASE_MS), well within any window that looks for
+#: recent rows (reconcile's look for recent cancels).
+BACKDATE_MS = 10 * LEASE_MS
 
 
 class ModelViolation(AssertionError):
@@ -72,13 +88,15 @@ class SimWorker:
     held: dict[Fence, Held] = field(default_factory=dict)
     #: Ids this worker moved onto landing with BLMOVE and has not claimed.
     landed: list[str] = field(default_factory=list)
-    #: Outcomes already in the mirror, waiting for their ack or nack:
-    #: (claim, delay_ms or None for an ack).
-    pending: list[tuple[ClaimedJob, int | None]] = field(default_factory=list)
+    #: Outcomes handed to the finisher whose batch is not committed yet.
+    committing: list[FinishedAttempt] = field(default_factory=list)
+    #: Outcomes already in the mirror, waiting for their ack or nack.
+    pending: list[FinishedAttempt] = field(default_factory=list)
 
     def forget(self) -> None:
         self.held.clear()
         self.landed.clear()
+        self.committing.clear()
         self.pending.clear()
 
 
@@ -126,6 +144,25 @@ class QueueMachine(RuleBasedStateMachine):
         #: the job meanwhile, it runs at the priority it was enqueued with
         #: even when staff changed the row's since (docs/design.md).
         self.pushed_late: set[str] = set()
+        #: Late pushes that were still on their way when Redis lost everything:
+        #: once one lands, Redis may run an older incarnation than the row's
+        #: (at least once, after a loss of Redis data), so the generation check
+        #: and the acked-success check excuse its job.
+        self.outlived_a_flush: set[str] = set()
+        self.stale_incarnation: set[str] = set()
+        #: Jobs a staff action moved in Redis whose commit then failed (not a
+        #: rebuild: the same generation): staff.py says the job still runs and
+        #: its worker's records bring the row up to date, so the row may say
+        #: dead, or keep its old priority, while Redis runs it.
+        self.staff_unmirrored: set[str] = set()
+        #: Cancels a failover lost in Redis (the row says cancelled): excused
+        #: from "a cancelled job never starts" until a reconcile has run since.
+        self.cancel_lost: set[str] = set()
+        #: While a stopping worker's threads still run these tasks (job id ->
+        #: token): no other attempt of them may start.
+        self.still_running: dict[str, Fence] = {}
+        #: The finisher's Redis step, as the worker runs it (real code).
+        self.finisher = finisher(self.backend)
         self.failed = False
 
     # -- helpers ---------------------------------------------------------
@@ -155,7 +192,8 @@ class QueueMachine(RuleBasedStateMachine):
     def all_fences(self) -> list[tuple[SimWorker, Fence, bool]]:
         """(worker, token, started) for every claim any worker still acts on."""
         out = [(w, fence, h.started) for w in self.workers for fence, h in w.held.items()]
-        out += [(w, job.fence, True) for w in self.workers for job, _ in w.pending]
+        out += [(w, o.job.fence, True) for w in self.workers for o in [*w.committing, *w.pending]
+                if o.job is not None]
         return out
 
     def take_claims(self, worker: SimWorker, jobs: list[ClaimedJob],
@@ -177,7 +215,7 @@ class QueueMachine(RuleBasedStateMachine):
                 self.fail(f"job {job.id} is handed out again (attempt {job.attempt}, gen "
                           f"{job.gen}) although its row already says succeeded "
                           f"(attempt {row.attempts}, gen {row.generation})")
-            if job.id in self.cancelled:
+            if job.id in self.cancelled and job.id not in self.cancel_lost:
                 self.fail(f"job {job.id} was cancelled by staff and is handed out again "
                           f"(attempt {job.attempt}, gen {job.gen})")
             worker.held[job.fence] = Held(job)
@@ -188,24 +226,48 @@ class QueueMachine(RuleBasedStateMachine):
         if records:
             mirror.record(self.database, records)
 
+    def lease_left_ms(self, job_id: str) -> int | None:
+        """How long the job's lease has left by the server's clock (None: no lease)."""
+        with self.broker.client.pipeline(transaction=False) as pipe:
+            pipe.zscore(self.keys.leases, job_id)
+            pipe.time()
+            deadline, (seconds, micros) = pipe.execute()
+        return None if deadline is None else int(deadline) - (seconds * 1000 + micros // 1000)
+
     def started(self, worker: SimWorker, held: Held, *, record_start: bool) -> bool:
         """start.lua for one claim; then (maybe) the start record the executor writes."""
         job = held.job
+        # Read before start.lua: a lease found run out here had run out for it too.
+        left_ms = self.lease_left_ms(job.id)
         [ok] = self.broker.start(QUEUE, [job.fence])
         if ok == Applied.CANCELLED:
             # Cancelled before it started: the worker records it and acks it
             # (the executor's _mark_started), never runs it.
             del worker.held[job.fence]
-            mirror.record(self.database, [mirror.cancelled_record(
-                job.id, job.attempt, gen=job.gen, error="cancelled before it started")])
-            self.broker.ack(QUEUE, [job.fence])
+            rec = mirror.cancelled_record(job.id, job.attempt, gen=job.gen,
+                                          error="cancelled before it started")
+            mirror.record(self.database, [rec])
+            self.apply([FinishedAttempt(rec, job=job, delay_ms=None)])
             return False
-        if not ok:
+        if ok != Applied.DONE:
             del worker.held[job.fence]  # the worker drops a claim it lost
             return False
-        if job.id in self.cancelled:
+        if left_ms is not None and left_ms < 0:
+            self.fail(f"job {job.id} attempt {job.attempt} was marked started {-left_ms} ms "
+                      "after its lease had expired: the sweep may requeue it while it runs")
+        if job.id in self.cancelled and job.id not in self.cancel_lost:
             self.fail(f"job {job.id} was cancelled by staff and then started "
                       f"(attempt {job.attempt}, gen {job.gen})")
+        row = Job.objects.filter(pk=job.id).first()
+        if row is not None and row.state == JobState.SUCCEEDED and job.id not in self.unrecorded:
+            self.fail(f"job {job.id} starts again (attempt {job.attempt}, gen {job.gen}) "
+                      f"although its success is in the mirror (attempt {row.attempts}, gen "
+                      f"{row.generation})")
+        other = self.still_running.get(job.id)
+        if other is not None and other != job.fence:
+            self.fail(f"job {job.id} started as attempt {job.attempt} (gen {job.gen}) on "
+                      f"{worker.name} while attempt {other[1]} (gen {other[2]}) still runs in "
+                      "a thread of a stopping worker, which handed it back")
         held.started = True
         if record_start:
             mirror.record(self.database, [_now_record(
@@ -213,16 +275,63 @@ class QueueMachine(RuleBasedStateMachine):
                 started_at=timezone.now())])
         return True
 
-    def apply(self, job: ClaimedJob, delay_ms: int | None, error: str) -> None:
-        """The finisher's Redis step, after the mirror write (fenced; may be refused)."""
-        if delay_ms is None:
-            self.broker.ack(QUEUE, [job.fence])
+    def apply(self, outcomes: list[FinishedAttempt]) -> None:
+        """The finisher's Redis step, after the mirror write (fenced; may be refused).
+
+        Run by the real finisher, one outcome at a time, so the machine sees
+        each success Redis took: a success Redis finished is one the mirror
+        holds, or the job runs again though it succeeded (a record the
+        mirror fenced out while Redis took the ack).
+        """
+        stats = self.finisher.stats
+        for outcome in outcomes:
+            taken = stats.succeeded
+            self.finisher._apply_in_redis([outcome])
+            job = outcome.job
+            assert job is not None
+            if outcome.record.outcome == AttemptOutcome.CANCELLED:
+                found = self.job_hashes([job.id])[job.id]
+                put_back = found["attempts"] == str(job.attempt) \
+                    and (found["gen"] or "0") == str(job.gen)  # this attempt's nack took
+                if put_back and found["state"] in ("queued", "scheduled"):
+                    self.fail(f"job {job.id}: the mirror recorded attempt {job.attempt} as "
+                              f"cancelled (its row was cancelled), and the finisher's Redis "
+                              f"step left the job {found['state']} to run again")
+            if stats.succeeded == taken or outcome.record.outcome != AttemptOutcome.SUCCEEDED \
+                    or job.id in self.stale_incarnation:
+                continue
+            row = Job.objects.get(pk=job.id)
+            if row.state != JobState.SUCCEEDED:
+                self.fail(f"Redis finished job {job.id} as succeeded (attempt {job.attempt}, gen "
+                          f"{job.gen}) but its row is {row.state} (attempt {row.attempts}, gen "
+                          f"{row.generation}): the mirror refused the success, and reconcile "
+                          "will run the job again")
+
+    def commit(self, worker: SimWorker, batch: list[FinishedAttempt], *, ack_now: bool) -> None:
+        """The finisher's mirror write of one batch, then (maybe) its Redis step."""
+        mirror.record(self.database, [o.record for o in batch])
+        if ack_now:
+            self.apply(batch)
         else:
-            self.broker.nack(QUEUE, [(*job.fence, delay_ms, error)])
+            worker.pending.extend(batch)
+
+    def jump(self) -> None:
+        """JUMP_MS pass on the server's clock, for every deadline Redis holds.
+
+        Lease deadlines and due times live in two sorted sets (leases,
+        scheduled), read against the server's TIME by every script: moving
+        each score JUMP_MS back is, to the scripts, JUMP_MS passing. Only the
+        machine writes to this Redis database, so nothing runs in between.
+        """
+        client = self.broker.client
+        for key in (self.keys.leases, self.keys.scheduled):
+            entries = client.zrange(key, 0, -1, withscores=True)
+            if entries:
+                client.zadd(key, {member: score - JUMP_MS for member, score in entries})
 
     def backdate(self) -> None:
         """Make every row older than reconcile's grace: as if that much time passed."""
-        Job.objects.update(updated_at=timezone.now() - timedelta(hours=1))
+        Job.objects.update(updated_at=timezone.now() - timedelta(milliseconds=BACKDATE_MS))
 
     # -- producers ---------------------------------------------------------
 
@@ -255,9 +364,36 @@ class QueueMachine(RuleBasedStateMachine):
     @rule(index=st.integers(0, 10))
     def late_push(self, index: int) -> None:
         """A stalled producer's on-commit push finally arrives."""
-        job = self.late_pushes.pop(index % len(self.late_pushes))
+        self.deliver(self.late_pushes.pop(index % len(self.late_pushes)))
+
+    def deliver(self, job: NewJob) -> None:
+        """A push held back lands (backend._push, as the on-commit hook calls it)."""
         self.pushed_late.add(job.id)
+        row = Job.objects.filter(pk=job.id).first()
+        if job.id in self.outlived_a_flush and row is not None and row.generation > job.gen:
+            self.stale_incarnation.add(job.id)
         self.backend._push(QUEUE, [job])
+
+    @precondition(lambda self: len(self.jobs) < 6)
+    @rule()
+    def enqueue_unique(self) -> None:
+        """An equal call of a unique task (unique_while_running off), in a transaction.
+
+        Its unfinished equal job is returned only while that job waits: a
+        call merged into a job whose task already began (Redis marked it
+        started) or ended is a call that never runs.
+        """
+        with transaction.atomic():
+            result = demo.unique_add.enqueue(0, 0)
+        if result.id not in self.jobs:
+            self.jobs.append(result.id)
+            return
+        found = self.job_hashes([result.id])[result.id]
+        began = found["state"] == "running" and found["started"] == found["attempts"]
+        if began or found["state"] == "finished":
+            self.fail(f"an equal call of a unique task was merged into job {result.id}, which "
+                      f"Redis holds {found['state']} (attempt {found['attempts']}, started "
+                      f"{found['started']}): the call never runs")
 
     # -- workers -----------------------------------------------------------
 
@@ -305,40 +441,64 @@ class QueueMachine(RuleBasedStateMachine):
           # Success twice as likely: most attempts succeed, and most bugs
           # worth finding are about a success recorded at the wrong time.
           outcome=st.sampled_from(["succeeded", "succeeded", "queued", "scheduled", "dead"]),
-          ack_now=st.booleans())
-    def finish(self, index: int, outcome: str, ack_now: bool) -> None:
+          ack_now=st.booleans(), commit_now=st.booleans())
+    def finish(self, index: int, outcome: str, ack_now: bool, commit_now: bool = True) -> None:
         """The task ended: mirror the outcome (committed), then ack or nack it.
 
-        With ``ack_now`` False the Redis step waits (the finisher is slow, or
-        the worker dies before it: see ``crash``). A failure on the last
-        attempt is dead, as retry.next_delay_ms decides.
+        With ``commit_now`` False the outcome waits with the finisher, not
+        committed yet (``commit_outcomes`` writes it). With ``ack_now`` False
+        the Redis step waits (the finisher is slow, or the worker dies before
+        it). A failure on the last attempt is dead, as retry.next_delay_ms decides.
         """
         running = self.claims(started=True)
         worker, held = running[index % len(running)]
         job = held.job
         del worker.held[job.fence]
+        finished = self.outcome(worker, job, outcome)
+        if commit_now:
+            self.commit(worker, [finished], ack_now=ack_now)
+        else:
+            worker.committing.append(finished)
+
+    def outcome(self, worker: SimWorker, job: ClaimedJob, outcome: str) -> FinishedAttempt:
+        """What the executor hands the finisher when a task ends (executor.py)."""
         now = timezone.now()
         if outcome != "succeeded" and job.attempt >= job.max_attempts:
             outcome = "dead"
-        delay: int | None
         if outcome == "succeeded":
-            rec = _now_record(job, job_state=JobState.SUCCEEDED, worker_id=worker.name,
-                              started_at=now, finished_at=now,
-                              outcome=AttemptOutcome.SUCCEEDED, return_value=job.attempt)
-            delay = None
-        else:
-            delay = {"queued": 0, "scheduled": RETRY_DELAY_MS, "dead": -1}[outcome]
-            rec = _now_record(
-                job, job_state=outcome, worker_id=worker.name, started_at=now,
-                finished_at=now, outcome=AttemptOutcome.FAILED,
-                error=f"builtins.ValueError: attempt {job.attempt} failed",
-                retry_at=now + timedelta(milliseconds=RETRY_DELAY_MS)
-                if outcome == "scheduled" else None)
-        mirror.record(self.database, [rec])
-        if ack_now:
-            self.apply(job, delay, rec.error)
-        else:
-            worker.pending.append((job, delay))
+            return FinishedAttempt(_now_record(
+                job, job_state=JobState.SUCCEEDED, worker_id=worker.name, started_at=now,
+                finished_at=now, outcome=AttemptOutcome.SUCCEEDED, return_value=job.attempt),
+                job=job, delay_ms=None)
+        return FinishedAttempt(_now_record(
+            job, job_state=outcome, worker_id=worker.name, started_at=now,
+            finished_at=now, outcome=AttemptOutcome.FAILED,
+            error=f"builtins.ValueError: attempt {job.attempt} failed",
+            retry_at=now + timedelta(milliseconds=RETRY_DELAY_MS)
+            if outcome == "scheduled" else None),
+            job=job, delay_ms={"queued": 0, "scheduled": RETRY_DELAY_MS, "dead": -1}[outcome])
+
+    @precondition(lambda self: any(w.committing for w in self.workers))
+    @rule(k=st.integers(0, WORKERS - 1), fails=st.booleans(), ack_now=st.booleans())
+    def commit_outcomes(self, k: int, fails: bool, ack_now: bool) -> None:
+        """The finisher commits the batch it holds, then (maybe) acks or nacks it.
+
+        With ``fails`` the COMMIT fails (the server ended the session): the
+        transaction rolls back, and the finisher keeps the batch to retry.
+        """
+        waiting = [w for w in self.workers if w.committing]
+        worker = waiting[k % len(waiting)]
+        batch = list(worker.committing)
+        if fails:
+            with failing_commit(self.database) as fault:
+                try:
+                    mirror.record(self.database, [o.record for o in batch])
+                except DatabaseError:
+                    if fault.fired:
+                        return
+                    raise
+        worker.committing.clear()
+        self.commit(worker, batch, ack_now=ack_now)
 
     @precondition(lambda self: any(w.pending for w in self.workers))
     @rule(k=st.integers(0, WORKERS - 1))
@@ -346,8 +506,7 @@ class QueueMachine(RuleBasedStateMachine):
         """The finisher's late Redis step for the oldest mirrored outcome."""
         waiting = [w for w in self.workers if w.pending]
         worker = waiting[k % len(waiting)]
-        job, delay = worker.pending.pop(0)
-        self.apply(job, delay, "builtins.ValueError: failed")
+        self.apply([worker.pending.pop(0)])
 
     @rule(k=st.integers(0, WORKERS - 1))
     def renew(self, k: int) -> None:
@@ -356,31 +515,74 @@ class QueueMachine(RuleBasedStateMachine):
         if fences:
             self.broker.extend(QUEUE, fences, lease_ms=LEASE_MS)
 
-    @rule(k=st.integers(0, WORKERS - 1), graceful=st.booleans())
-    def stop(self, k: int, graceful: bool) -> None:
-        """A worker stops: SIGKILL (it forgets everything it held, landed or had not
-        acked) or a graceful stop (worker/core.py ``_release``: claims in hand go
-        back at once, mirrored outcomes are left to the sweep)."""
+    @rule()
+    def pause(self) -> None:
+        """Every process stalls longer than a lease (a GC pause, a paused VM, a slow
+        network), and no sweep runs meanwhile: every lease not renewed runs out."""
+        self.jump()
+
+    @rule(k=st.integers(0, WORKERS - 1), commit_lands=st.booleans())
+    def kill(self, k: int, commit_lands: bool) -> None:
+        """SIGKILL: the worker forgets everything it held, landed or had not acked.
+
+        With ``commit_lands`` the finisher's COMMIT was already on its way to
+        the server: the batch it held commits, and nothing is acked.
+        """
         worker = self.workers[k]
-        if not graceful:
-            worker.forget()
-            return
-        held = list(worker.held.values())
-        worker.held.clear()
-        worker.landed.clear()
-        worker.pending.clear()
-        if not held:
-            return
-        done = self.broker.release(QUEUE, [(*h.job.fence, h.started) for h in held])
-        released = [_now_record(h.job, job_state=JobState.QUEUED, finished_at=timezone.now(),
-                                outcome=AttemptOutcome.RELEASED, error="released")
-                    for h, ok in zip(held, done, strict=True) if ok and h.started]
-        refunds = {h.job.id: h.job.max_attempts + 1
-                   for h, ok in zip(held, done, strict=True) if ok and not h.started}
-        if released:
-            mirror.record(self.database, released)
-        if refunds:
-            mirror.raise_budgets(self.database, refunds)
+        if commit_lands and worker.committing:
+            mirror.record(self.database, [o.record for o in worker.committing])
+        worker.forget()
+
+    @rule(k=st.integers(0, WORKERS - 1), hard=st.booleans(), grace_over=st.booleans(),
+          commit=st.sampled_from(["in_time", "late", "never"]), rival=st.booleans())
+    def stop(self, k: int, hard: bool, grace_over: bool, commit: str, rival: bool) -> None:
+        """A worker stops, with jobs at every stage, and its process exits.
+
+        The real worker's ``_shutdown`` decides (tests/model_faults.py): it is
+        given what this worker holds: claims not started, tasks still running
+        in its threads, outcomes the finisher has not committed, outcomes
+        committed and not acked. First signal (``hard`` False): unless
+        ``grace_over``, every running task ends (succeeds) within the grace
+        period and the finisher writes and applies everything; past the grace
+        period the tasks still run. A second signal (``hard``): nothing is
+        waited for. ``commit`` says when the finisher's pending COMMIT lands:
+        before the shutdown looks (``in_time``), after it (``late``: the
+        server had it), or ``never``. With ``rival`` another worker claims and
+        starts what it can before this process has exited, while its threads
+        still run their tasks.
+        """
+        worker = self.workers[k]
+        if not hard and not grace_over:
+            for held in [h for h in worker.held.values() if h.started]:
+                del worker.held[held.job.fence]
+                worker.committing.append(self.outcome(worker, held.job, "succeeded"))
+            commit = "in_time"
+        if commit == "in_time" and worker.committing:
+            self.commit(worker, list(worker.committing), ack_now=False)
+            worker.committing.clear()
+        if not hard:  # the finisher applies what it committed before the process exits
+            self.apply(list(worker.pending))
+            worker.pending.clear()
+        running = [h.job for h in worker.held.values() if h.started]
+        found = self.job_hashes([job.id for job in running])
+        held_fences = {job.fence for job in running if self.is_current(job.fence, found[job.id])}
+        stop_like_a_worker(
+            self.backend, worker.name, QUEUE, hard=hard,
+            unstarted=[h.job for h in worker.held.values() if not h.started], running=running,
+            unmirrored=[o.job for o in worker.committing if o.job is not None],
+            mirrored=[o.job for o in worker.pending if o.job is not None])
+        if commit == "late" and worker.committing:
+            mirror.record(self.database, [o.record for o in worker.committing])
+        if rival:
+            # Those whose lease this worker still held: one Redis had already
+            # given away (its lease ran out in a stall) may run elsewhere.
+            self.still_running = {job.id: job.fence for job in running
+                                  if job.fence in held_fences}
+            try:
+                self.claim(k=(k + 1) % WORKERS, count=3, start=True)
+            finally:
+                self.still_running = {}
+        worker.forget()  # the process has exited: its threads and their tasks are gone
 
     # -- the sweep -----------------------------------------------------------
 
@@ -396,7 +598,7 @@ class QueueMachine(RuleBasedStateMachine):
         transaction commits: Redis has acted, the mirror knows nothing.
         """
         if expire:
-            time.sleep(LEASE_MS * 1.2 / 1000)
+            self.jump()
         broker = self.broker
         real_expired = broker.expired
 
@@ -410,7 +612,7 @@ class QueueMachine(RuleBasedStateMachine):
                 # out between a look taken before it and this one counts too.)
                 self.unrecorded |= {job_id for job_id, _, _ in found}
             if stall:
-                time.sleep(LEASE_MS * 1.2 / 1000)
+                self.jump()
             return found
 
         broker.expired = expired_seen  # type: ignore[method-assign]
@@ -428,25 +630,68 @@ class QueueMachine(RuleBasedStateMachine):
             broker.__dict__.pop("expired", None)
             mirror.record = real_record  # type: ignore[assignment]
 
-    @rule()
-    def reconcile(self) -> None:
-        """Reconcile once every row is older than the grace period."""
+    @rule(commit_fails=st.booleans(),
+          slow_push=st.sampled_from([None, None, "late_first", "flush_first"]))
+    def reconcile(self, commit_fails: bool = False, slow_push: str | None = None) -> None:
+        """Reconcile once every row is older than the grace period.
+
+        With ``commit_fails`` its first transaction fails at COMMIT (and the
+        pass stops there, as the error propagates); with ``slow_push`` its
+        push of rebuilt jobs is slow (see :meth:`slowly`).
+        """
         self.backdate()
-        Sweep(self.backend).reconcile()
+        with self.slowly(slow_push), failing_commit(self.database) if commit_fails \
+                else nullcontext() as fault:
+            try:
+                Sweep(self.backend).reconcile()
+            except DatabaseError:
+                if fault is None or not fault.fired:
+                    raise
+                return
+        self.cancel_lost.clear()
+
+    def slowly(self, slow_push: str | None) -> AbstractContextManager[object]:
+        """Make the next rebuild push slow: before it lands, the job's own on-commit
+        push, stalled until now, lands (``late_first``), or Redis loses everything
+        (``flush_first``)."""
+        if slow_push is None:
+            return nullcontext()
+
+        def before(jobs: list[NewJob]) -> None:
+            if slow_push == "flush_first":
+                self.flush_redis()
+                return
+            ids = {job.id for job in jobs}
+            for late in [job for job in self.late_pushes if job.id in ids]:
+                self.late_pushes.remove(late)
+                self.deliver(late)
+
+        return SlowPush(self.broker, before)
 
     @rule()
     def flush_redis(self) -> None:
         """Redis restarts empty (no persistence) or a failover drops everything."""
+        self.outlived_a_flush |= {job.id for job in self.late_pushes}
         self.broker.client.flushdb()
 
     # -- staff -------------------------------------------------------------
 
     @precondition(lambda self: self.jobs)
-    @rule(action=st.sampled_from(["cancel", "retry", "requeue"]), index=st.integers(0, 10))
-    def staff_action(self, action: str, index: int) -> None:
-        """An admin action on one job (staff.py), as the admin calls it."""
+    @rule(action=st.sampled_from(["cancel", "retry", "requeue"]), index=st.integers(0, 10),
+          commit_fails=st.booleans(),
+          slow_push=st.sampled_from([None, None, "late_first", "flush_first"]))
+    def staff_action(self, action: str, index: int, commit_fails: bool = False,
+                     slow_push: str | None = None) -> None:
+        """An admin action on one job (staff.py), as the admin calls it.
+
+        With ``commit_fails`` the action's transaction fails at COMMIT, after
+        it acted in Redis; with ``slow_push`` a rebuild's push is slow.
+        """
         job_id = self.jobs[index % len(self.jobs)]
-        if not getattr(staff, action)(self.backend, job_id).done:
+        with self.slowly(slow_push):
+            done = self.staff_commit(job_id, commit_fails,
+                                     lambda: getattr(staff, action)(self.backend, job_id).done)
+        if not done:
             return
         if action == "cancel":
             self.cancelled.add(job_id)
@@ -455,15 +700,77 @@ class QueueMachine(RuleBasedStateMachine):
         else:
             # retry: dead -> queued; requeue: cancelled (or scheduled) -> queued.
             self.cancelled.discard(job_id)
+            self.cancel_lost.discard(job_id)
             self.final.pop(job_id, None)
 
+    def staff_commit(self, job_id: str, commit_fails: bool, act: Callable[[], bool]) -> bool:
+        """Run a staff action; with ``commit_fails`` its COMMIT fails (False then).
+
+        What it did in Redis stays. When that kept the job's generation (not
+        a rebuild), staff.py's word is that the job runs on and its worker's
+        records bring the row up to date: the row may lag meanwhile.
+        """
+        if not commit_fails:
+            return act()
+        with failing_commit(self.database) as fault:
+            try:
+                return act()
+            except DatabaseError:
+                if not fault.fired:
+                    raise
+        row = Job.objects.get(pk=job_id)
+        found = self.job_hashes([job_id])[job_id]
+        if found["state"] is not None and int(found["gen"] or 0) == row.generation:
+            self.staff_unmirrored.add(job_id)
+        return False
+
     @precondition(lambda self: self.jobs)
-    @rule(index=st.integers(0, 10), priority=st.sampled_from([0, 5, -5]))
-    def staff_reprioritize(self, index: int, priority: int) -> None:
+    @rule(index=st.integers(0, 10), priority=st.sampled_from([0, 5, -5]),
+          commit_fails=st.booleans())
+    def staff_reprioritize(self, index: int, priority: int, commit_fails: bool = False) -> None:
         """Staff give a job another priority (staff.reprioritize, reprioritize.lua)."""
         job_id = self.jobs[index % len(self.jobs)]
-        if staff.reprioritize(self.backend, job_id, priority).done:
+        if self.staff_commit(job_id, commit_fails, lambda: staff.reprioritize(
+                self.backend, job_id, priority).done):
             self.reprioritized.add(job_id)
+
+    @precondition(lambda self: self.jobs)
+    @rule(index=st.integers(0, 10), priority=st.sampled_from([5, -5]),
+          cancel_first=st.booleans())
+    def reprioritize_during_cancel(self, index: int, priority: int, cancel_first: bool) -> None:
+        """Two admins act on one job at once: one cancels it, one changes its priority."""
+        if cancel_first:
+            self.staff_action("cancel", index)
+            self.staff_reprioritize(index, priority)
+        else:
+            self.staff_reprioritize(index, priority)
+            self.staff_action("cancel", index)
+
+    @precondition(lambda self: self.jobs)
+    @rule(index=st.integers(0, 10))
+    def staff_cancel_lost(self, index: int) -> None:
+        """Staff cancel a job, then Redis fails over to a replica that missed the
+        cancel's writes: the row says cancelled, Redis holds the job as before."""
+        job_id = self.jobs[index % len(self.jobs)]
+        client, keys = self.broker.client, [self.keys.job(job_id), self.keys.scheduled]
+        with client.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.dump(key)
+                pipe.pttl(key)
+            saved = pipe.execute()
+        if not staff.cancel(self.backend, job_id).done:
+            return
+        with client.pipeline(transaction=True) as pipe:
+            for i, key in enumerate(keys):
+                dumped, ttl_ms = saved[2 * i], saved[2 * i + 1]
+                pipe.delete(key)
+                if dumped is not None:
+                    pipe.restore(key, max(ttl_ms, 0), dumped)
+            pipe.execute()
+        self.cancelled.add(job_id)
+        self.ever_cancelled.add(job_id)
+        self.cancel_lost.add(job_id)
+        self.final[job_id] = JobState.CANCELLED
 
     # -- invariants ----------------------------------------------------------
 
@@ -508,7 +815,7 @@ class QueueMachine(RuleBasedStateMachine):
         rows = self.rows()
         finished = [job_id for job_id, row in rows.items()
                     if row.state in (JobState.SUCCEEDED, JobState.DEAD)
-                    and job_id not in self.unrecorded]
+                    and job_id not in self.unrecorded | self.staff_unmirrored]
         for job_id in finished:
             state = self.broker.client.hget(self.broker.keys(QUEUE).job(job_id), "state")
             if state in ("queued", "scheduled"):
@@ -569,13 +876,36 @@ class QueueMachine(RuleBasedStateMachine):
             band = int(priority or 0)
             row = rows[job_id]
             if row.state in (JobState.QUEUED, JobState.SCHEDULED) and row.priority != band \
-                    and job_id not in self.pushed_late:
+                    and job_id not in self.pushed_late | self.staff_unmirrored:
                 self.fail(f"job {job_id} has priority {band} in Redis but {row.priority} in "
                           "its row: a rebuild would change it")
             if state == "queued" and job_id not in landing and \
                     client.lpos(k.band(band), job_id) is None:
                 self.fail(f"job {job_id} is queued at priority {band} but not on that "
                           "priority's list")
+
+    @invariant()
+    def redis_and_row_agree_on_the_generation(self) -> None:
+        """A job Redis may run (queued, scheduled, running) has its row's generation.
+
+        Every record a worker writes is fenced by the generation of its token:
+        a Redis job of another generation than its row runs with every record
+        refused, its success never reaching the mirror, and reconcile then
+        runs it again. (Excused: a late push that outlived a loss of Redis
+        data and landed under a newer rebuild: at least once, after a loss.)
+        """
+        rows = self.rows()
+        if not rows:
+            return
+        for job_id, found in self.job_hashes(list(rows)).items():
+            if found["state"] not in ("queued", "scheduled", "running") \
+                    or job_id in self.stale_incarnation:
+                continue
+            row = rows[job_id]
+            if int(found["gen"] or 0) != row.generation:
+                self.fail(f"job {job_id} is {found['state']} in Redis at generation "
+                          f"{found['gen'] or 0} but its row ({row.state}) is at generation "
+                          f"{row.generation}: the mirror refuses every record of it")
 
     # -- the end of an example: everything recovers ------------------------------
 
@@ -590,10 +920,11 @@ class QueueMachine(RuleBasedStateMachine):
         survivor = SimWorker("survivor")
         for round_ in range(40):
             if round_:
-                time.sleep(LEASE_MS * 1.2 / 1000)  # leases of the dead workers run out
+                self.jump()  # leases of the dead workers run out
             Sweep(self.backend).redis_pass()
             self.backdate()
             Sweep(self.backend).reconcile()
+            self.cancel_lost.clear()
             while True:
                 result = self.broker.claim(QUEUE, count=50, lease_ms=60_000)
                 self.take_claims(survivor, result.jobs, result.dead, result.garbage)

@@ -18,6 +18,7 @@ import pytest
 
 from reliable_jobs.contrib.verify.chaos_ledger import (
     LEDGER_ENV,
+    GracefulStop,
     analyse,
     evidence,
     ledger_run,
@@ -240,3 +241,80 @@ def test_a_job_marked_started_just_before_a_redis_loss_may_run_again(tmp_path: P
     strict = analyse(ledger, deaths={}, final_states={"j1": "succeeded"}, ended_at=T0 + 20,
                      redis_losses=[T0 + 10.0], start_lag_s=0.0)
     assert [r.job for r in strict.reruns_without_crash] == ["j1"]
+
+
+def test_a_graceful_stop_excuses_only_runs_cut_by_its_deadline_and_rerun_after_its_exit(
+    tmp_path: Path
+) -> None:
+    # Given: worker A got SIGTERM at 10.0 s with a 2 s grace (deadline 12.0 s)
+    # and exited at 12.5 s. j1 ended within the grace period; j2 was still
+    # running at the deadline (no end: its thread died with the process); j3
+    # ended after the deadline, too late for its outcome; j4 was cut short
+    # too, but handed back while A still ran it; j5 ended after the deadline
+    # and ran again once it had ended (its outcome dropped), before A exited.
+    ledger = read_ledger(write_ledger(tmp_path / "ledger", [
+        run("j1", 1, WORKER_A, 9.0, 11.0),
+        run("j1", 2, WORKER_B, 13.0, 13.1),
+        run("j2", 1, WORKER_A, 9.5, None),
+        run("j2", 2, WORKER_B, 14.0, 14.1),
+        run("j3", 1, WORKER_A, 9.6, 12.2),
+        run("j3", 2, WORKER_B, 14.5, 14.6),
+        run("j4", 1, WORKER_A, 9.7, None),
+        run("j4", 2, WORKER_C, 12.1, 12.2),
+        run("j5", 1, WORKER_A, 9.8, 12.1),
+        run("j5", 2, WORKER_C, 12.3, 12.4),
+    ]))
+    stops = {WORKER_A: GracefulStop(deadline=T0 + 12.0, exited_at=T0 + 12.5)}
+
+    # When
+    findings = analyse(ledger, deaths={}, final_states={}, ended_at=T0 + 20, stops=stops)
+
+    # Then: j1 re-ran although its run ended within the grace period; j4 ran
+    # again while its first run still went on; j2, j3 and j5 are excused
+    assert sorted(r.job for r in findings.reruns_without_crash) == ["j1", "j4"]
+    assert [(o.job, o.second.pid) for o in findings.overlaps] == [("j4", WORKER_C)]
+    assert findings.open_runs == []
+    lines = evidence(findings, {}, stops=stops)
+    assert any("re-ran without a crash: job j1" in line and "pid stopped" in line
+               for line in lines), lines
+
+
+def test_a_job_buried_after_its_last_success_died_unrecorded_is_listed_apart(
+    tmp_path: Path
+) -> None:
+    # Given: j1's last run succeeded on A, which was killed before that success
+    # reached the mirror, and the job then ran out of attempts; j2's last
+    # success did reach the mirror, yet j2 ended dead
+    ledger = read_ledger(write_ledger(tmp_path / "ledger", [
+        run("j1", 3, WORKER_A, 10.0, 10.5),
+        run("j2", 1, WORKER_A, 10.0, 10.6),
+    ]))
+
+    # When
+    findings = analyse(ledger, deaths={WORKER_A: T0 + 11.0},
+                       final_states={"j1": "dead", "j2": "dead"}, ended_at=T0 + 20,
+                       mirrored_successes={"j1": set(), "j2": {1}})
+
+    # Then: j1 is what G3 allows, listed apart; j2 contradicts the mirror
+    assert [w.job for w in findings.buried_after_lost_success] == ["j1"]
+    assert [w.job for w in findings.wrong_final] == ["j2"]
+
+
+def test_a_hard_stop_is_a_crash_from_its_second_sigterm(tmp_path: Path) -> None:
+    # Given: A got its second SIGTERM at 12.0 s and was seen dead at 14.0 s;
+    # j1's run on A had ended before (its outcome not committed), j2's had
+    # not; both ran again on B at 13.0 s, before A was seen dead
+    ledger = read_ledger(write_ledger(tmp_path / "ledger", [
+        run("j1", 1, WORKER_A, 10.0, 10.5),
+        run("j1", 2, WORKER_B, 13.0, 13.1),
+        run("j2", 1, WORKER_A, 10.0, None),
+        run("j2", 2, WORKER_B, 13.0, 13.1),
+    ]))
+
+    # When
+    findings = analyse(ledger, deaths={WORKER_A: T0 + 14.0}, final_states={},
+                       ended_at=T0 + 20, crashed_at={WORKER_A: T0 + 12.0})
+
+    # Then: both re-runs follow the crash; j2's still overlaps its cut-short run
+    assert findings.reruns_without_crash == []
+    assert [o.job for o in findings.overlaps] == ["j2"]

@@ -97,6 +97,45 @@ def test_chaos_run_loses_nothing(rj_settings: Any, processes: Processes) -> None
     assert processes_named(f"chaos-{chaos.pid}-") == []
 
 
+@pytest.mark.slow
+@pytest.mark.crash
+def test_a_rolling_deploy_never_runs_a_job_twice_without_a_crash(
+    rj_settings: Any, processes: Processes
+) -> None:
+    # Given: short leases, and jobs of which some outlive the workers' grace period
+    # (reconcile waits longer than the long jobs run: a job running when Redis
+    # lost its data is not rebuilt while its first run still goes on)
+    env = rj_settings(MAX_ATTEMPTS=10, RECONCILE_GRACE_MS=5_000)
+
+    # When: chaosjobs SIGTERMs a worker every 1.5 s (every third stop gets a
+    # second SIGTERM), SIGKILLs one every 3 s, empties Redis once and cuts
+    # PostgreSQL off once, while 5% of the jobs run 2 s against a 1 s grace
+    chaos = processes.manage(
+        "chaosjobs", "--jobs", "300", "--workers", "2", "--concurrency", "2",
+        "--kill-every", "3", "--sigterm-every", "1.5", "--grace", "1", "--long-percent", "5",
+        "--long-ms", "2000", "--duration", "9", "--task-ms", "30", "--drain-timeout", "60",
+        "--flush-redis-at", "2", "--cut-postgres-at", "5", "--cut-postgres-for", "1.5",
+        "--seed", "11", env=env,
+    )
+    code = chaos.wait(timeout=180)
+    output = processes.log(chaos)
+
+    # Then: it exits 0; workers were stopped, some past their grace with jobs
+    # running; every stop was clean
+    assert code == 0, output
+    assert int(table_value(output, "workers stopped by SIGTERM (rolling deploy)")) >= 3, output
+    assert int(table_value(output, "of which stopped hard by a second SIGTERM")) >= 1, output
+    assert table_value(output, "stops that exited non-zero or were SIGKILLed (must be 0)") == "0"
+    # and nothing was lost, nothing ran twice at once, nothing ran again that a
+    # crash, a hard stop or a run cut short by the grace period does not explain
+    assert table_value(output, "lost (must be 0)") == "0"
+    assert table_value(output, "ran concurrently (must be 0)") == "0", output
+    assert table_value(
+        output, "final state differs from the last run's outcome (must be 0)") == "0", output
+    assert table_value(output, "re-ran without a crash (must be 0)") == "0", output
+    assert processes_named(f"chaos-{chaos.pid}-") == []
+
+
 def test_chaos_refuses_a_queue_with_work(rj_settings: Any) -> None:
     # Given: a job nobody has run yet
     rj_settings()

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import redis
-from django.db import close_old_connections, connection, transaction
+from django.db import OperationalError, close_old_connections, connection, transaction
 from django.utils import timezone
 
 from reliable_jobs import mirror
@@ -32,11 +32,12 @@ from reliable_jobs.retention import prune
 from reliable_jobs.sweep import Sweep
 from reliable_jobs.worker import Worker
 from reliable_jobs.worker.backoff import Outage
+from reliable_jobs.worker.finisher import FinishedAttempt
 from reliable_jobs.worker.leases import LeaseKeeper
 from reliable_jobs.worker.registry import InHand, printable
 from testproject.demo import tasks as demo
 
-from .helpers import Processes, backdate, wait_until
+from .helpers import Processes, backdate, drain_here, wait_until, worker_in_thread
 
 pytestmark = pytest.mark.django_db(transaction=True)
 KEYS = QueueKeys("rj", "default")
@@ -529,39 +530,109 @@ def test_a_worker_frozen_inside_its_mirror_transaction_never_stalls_the_others(
         assert code == 0, processes.log(proc)
 
 
-# -- 7. a hard stop never hands back a job whose outcome is in the mirror --------
+# -- 7. a hard stop never hands back a job whose outcome is on its way ----------
 
 
-def test_a_hard_stop_releases_only_jobs_whose_outcome_is_not_mirrored(
+def test_a_hard_stop_never_hands_back_a_job_whose_success_is_being_committed(
     rj_settings: Any, redis_client: redis.Redis
 ) -> None:
-    # Given: a worker holding two started jobs; the first one's success is in
-    # the mirror, its ack not yet sent
+    # Given: a worker whose finisher is committing one job's success (the real
+    # finisher; its mirror write held open until the worker has stopped), a
+    # second job's success waiting behind it
     rj_settings()
-    backend = task_backends["default"]
-    broker: Broker = backend.broker
-    ids = [demo.add.enqueue(i, 0).id for i in range(2)]
-    worker = Worker(backend, queues=["default"])
-    done, running = broker.claim("default", count=2, lease_ms=60_000).jobs
-    assert broker.start("default", [done.fence, running.fence]) == [True, True]
-    worker.in_hand.add([done, running])
-    for job in (done, running):
-        worker.in_hand.start(job)
-    mirror.record("default", [success(done)])
-    worker.in_hand.mirrored([done])
+    results = [demo.add.enqueue(i, 0) for i in range(2)]
+    worker = Worker(task_backends["default"], queues=["default"], scheduler=False)
+    write_mirror, submit = worker.finisher._write_mirror, worker.finisher.submit
+    committing, commit, second = threading.Event(), threading.Event(), threading.Event()
+    outcomes: list[str] = []
 
-    # When: it is stopped hard (a second signal), with its finisher gone
-    worker._hard_stop.set()
-    worker._shutdown([], threading.Thread(target=lambda: None))
+    def slow_commit(batch: list[FinishedAttempt]) -> bool:
+        if any(outcome.job is not None for outcome in batch):
+            committing.set()
+            commit.wait(timeout=20)
+        return write_mirror(batch)
 
-    # Then: only the job without a mirrored outcome went back to the queue;
-    # the other stays held until recover settles it from the mirror
-    assert redis_client.lrange(KEYS.queued, 0, -1) == [running.id]
-    assert redis_client.hget(KEYS.job(done.id), "state") == "running"
-    assert Job.objects.get(pk=done.id).state == JobState.SUCCEEDED
-    assert Attempt.objects.get(job_id=done.id, number=1).outcome == AttemptOutcome.SUCCEEDED
-    assert Attempt.objects.get(job_id=running.id, number=1).outcome == AttemptOutcome.RELEASED
-    assert sorted(ids) == sorted([done.id, running.id])
+    def submit_in_turn(outcome: FinishedAttempt) -> None:
+        submit(outcome)
+        if outcome.job is not None:
+            outcomes.append(outcome.job.id)
+            if len(outcomes) == 1:  # the next job runs once this one is being committed
+                committing.wait(timeout=20)
+            else:
+                second.set()
+
+    worker.finisher._write_mirror = slow_commit  # type: ignore[method-assign]
+    worker.finisher.submit = submit_in_turn  # type: ignore[method-assign]
+    with worker_in_thread(worker) as thread:
+        try:
+            assert second.wait(timeout=20), "both successes to reach the finisher"
+
+            # When: the worker is stopped hard (a second signal) mid-commit
+            worker._on_signal(signal.SIGTERM, None)
+            worker._on_signal(signal.SIGTERM, None)
+            thread.join(timeout=20)
+            assert not thread.is_alive()
+
+            # Then: neither job was handed back while its success was on its way
+            assert redis_client.lrange(KEYS.queued, 0, -1) == []
+            assert [redis_client.hget(KEYS.job(r.id), "state") for r in results] == [
+                "running", "running"]
+        finally:
+            commit.set()
+
+    # And: the commits land; whatever happens to the acks, each job succeeded
+    # once and never runs again (the sweep settles it from the mirror)
+    wait_until(lambda: Job.objects.filter(state=JobState.SUCCEEDED).count() == 2,
+               message="both successes to be committed")
+    drain_here()
+    for r in results:
+        assert list(Attempt.objects.filter(job_id=r.id).values_list("outcome", flat=True)
+                    ) == [AttemptOutcome.SUCCEEDED]
+        assert Job.objects.get(pk=r.id).attempts == 1
+    assert redis_client.lrange(KEYS.queued, 0, -1) == []
+
+
+def test_a_hard_stop_never_hands_back_a_job_whose_commit_may_have_landed(
+    rj_settings: Any, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given: a worker whose finisher committed a job's success but lost the
+    # commit's reply (the connection dropped), and whose retries then fail
+    rj_settings()
+    result = demo.add.enqueue(1, 2)
+    worker = Worker(task_backends["default"], queues=["default"], scheduler=False)
+    record = mirror.record
+    landed = threading.Event()
+
+    def commit_then_lose_the_reply(database: str, records: list[AttemptRecord]) -> None:
+        if any(r.job_id == result.id and r.outcome == AttemptOutcome.SUCCEEDED
+               for r in records):
+            if not landed.is_set():
+                record(database, records)
+                landed.set()
+            raise OperationalError("server closed the connection unexpectedly")
+        record(database, records)
+
+    monkeypatch.setattr(mirror, "record", commit_then_lose_the_reply)
+    with worker_in_thread(worker) as thread:
+        assert landed.wait(timeout=20), "the success to be committed"
+
+        # When: the worker is stopped hard while its finisher retries; the
+        # finisher's thread ends
+        worker._on_signal(signal.SIGTERM, None)
+        worker._on_signal(signal.SIGTERM, None)
+        thread.join(timeout=20)
+        assert not thread.is_alive()
+
+        # Then: the job was not handed back: its success may have landed (it did)
+        assert redis_client.lrange(KEYS.queued, 0, -1) == []
+    monkeypatch.undo()
+
+    # And: the sweep settles it from the mirror; it never runs again
+    drain_here()
+    assert list(Attempt.objects.filter(job_id=result.id).values_list("outcome", flat=True)
+                ) == [AttemptOutcome.SUCCEEDED]
+    assert Job.objects.get(pk=result.id).attempts == 1
+    assert redis_client.lrange(KEYS.queued, 0, -1) == []
 
 
 # -- 12. the smaller ones -------------------------------------------------------

@@ -189,15 +189,19 @@ def test_sigterm_lets_every_child_finish_its_job_and_leaves_nothing_behind(
     assert redis_client.zcard(KEYS.leases) == 0
 
 
-def test_second_sigterm_hands_every_job_back_at_once(
-    rj_settings: Any, processes: Processes, start_supervisor: Start, redis_client: redis.Redis
+def test_second_sigterm_kills_and_hands_back_child_tasks_and_leaves_thread_tasks_to_leases(
+    rj_settings: Any, processes: Processes, start_supervisor: Start, redis_client: redis.Redis,
+    tmp_path: Path
 ) -> None:
-    # Given: a child running a 30 s job, and both children told once to stop
-    env = rj_settings()
-    long = demo.sleep_for.enqueue(30)
-    supervisor = start_supervisor(env)
-    wait_until(lambda: Job.objects.filter(pk=long.id, state=JobState.RUNNING).exists(),
-               timeout=30, message="the long job to start")
+    # Given: one child running a 30 s task in a child process (a time limit),
+    # the other a 30 s task in a thread; both children told once to stop
+    env = rj_settings(LEASE_MS=10_000, RENEW_INTERVAL_MS=500, RECONCILE_GRACE_MS=10_000)
+    pid_file = tmp_path / "task.pid"
+    isolated = demo.report_pid_then_sleep.enqueue(str(pid_file), 30)
+    threaded = demo.sleep_for.enqueue(30)
+    supervisor = start_supervisor(env, "--prefetch", "0")
+    wait_until(lambda: Job.objects.filter(state=JobState.RUNNING).count() == 2
+               and pid_file.exists(), timeout=30, message="both jobs to start")
     wait_until(lambda: processes.log(supervisor).count(" serving ") == 2, message="both children")
     supervisor.send_signal(signal.SIGTERM)
     wait_until(lambda: processes.log(supervisor).count("Got SIGTERM: finishing") == 2,
@@ -206,14 +210,20 @@ def test_second_sigterm_hands_every_job_back_at_once(
     # When: a second SIGTERM arrives
     supervisor.send_signal(signal.SIGTERM)
 
-    # Then: everything exits at once, cleanly, and the job is back on the queue
+    # Then: everything exits at once, cleanly
     assert supervisor.wait(timeout=15) == 0, processes.log(supervisor)
     assert "Got SIGTERM again: telling 2 worker(s)" in processes.log(supervisor)
-    assert redis_client.lrange(KEYS.queued, 0, -1) == [long.id]
-    assert redis_client.zcard(KEYS.leases) == 0
-    outcomes = list(Attempt.objects.filter(job_id=long.id).values_list("outcome", flat=True))
-    assert outcomes == [AttemptOutcome.RELEASED]
     assert not [pid for pid in children(processes, supervisor).values() if alive(pid)]
+    # And: the task in a child was killed, then its job handed back at once
+    assert not alive(int(pid_file.read_text()))
+    assert redis_client.lrange(KEYS.queued, 0, -1) == [isolated.id]
+    assert list(Attempt.objects.filter(job_id=isolated.id).values_list("outcome", flat=True)
+                ) == [AttemptOutcome.RELEASED]
+    # And: the task in a thread died with its process; its job is left to its
+    # lease (the sweep runs it again once the lease expires), never handed
+    # back while its process could still run it
+    assert redis_client.zscore(KEYS.leases, threaded.id) is not None
+    assert not Attempt.objects.filter(job_id=threaded.id, outcome=AttemptOutcome.RELEASED)
 
 
 def test_burst_children_exit_when_drained_and_the_supervisor_follows(

@@ -70,6 +70,9 @@ MAX_WAIT_S = 1.0
 MAX_AWAITING_ACK = 2_000
 #: How long the finisher may take after the grace period, in seconds.
 FINISHER_GRACE_S = 10.0
+#: How long the children killed at the end of the grace period may take to
+#: be reaped and their jobs handed back, in seconds.
+CHILD_STOP_S = 10.0
 ATTEMPTS_EXHAUSTED = class_path(AttemptsExhausted)
 RELEASED_ERROR = ("reliable_jobs.worker: the worker stopped during this attempt and handed "
                   "the job back")
@@ -121,6 +124,10 @@ class Worker:
         self.stats = WorkerStats()
         #: True when a worker thread died of an unexpected error (exit non-zero).
         self.crashed = False
+        #: Tasks still running in executor threads when run() returned: their
+        #: jobs are left to their leases, so the process must end now (see
+        #: runworker), not after an interpreter teardown a lease may not outlive.
+        self.left_running = 0
         self._claimed_total = 0
         #: Burst runs: the queue _burst_done last found with work, checked first.
         self._burst_busy: str | None = None
@@ -167,6 +174,12 @@ class Worker:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
 
+    def ignore_signals(self) -> None:
+        """Ignore SIGTERM and SIGINT from now on (the worker has stopped; the process exits)."""
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._signals += 1
         if self._signals == 1:
@@ -205,6 +218,9 @@ class Worker:
             self._shutdown(executors, finisher)
             self.lease_keeper.stop()
             keeper.join(timeout=2.0)
+            # A last renewal: what is left to its lease gets a whole lease
+            # from now, the moment this process is about to end.
+            self.lease_keeper.renew()
             maintenance.join(timeout=2.0)
             if scheduling is not None:
                 scheduling.join(timeout=2.0)
@@ -240,9 +256,19 @@ class Worker:
             connections.close_all()
 
     def _shutdown(self, executors: list[threading.Thread], finisher: threading.Thread) -> None:
-        """Release what never started, let the rest finish, release what is left.
+        """Hand back what never started, let the rest finish, stop what may be stopped.
 
-        The lease keeper renews throughout, so nothing expires while this runs.
+        Within the grace period nothing that began is touched. Past it (or
+        at once on a hard stop), the attempts running in a child process are
+        killed; each is handed back by its executor once its child is reaped.
+        An attempt running in a thread cannot be killed, and a job whose
+        outcome is with a live finisher may still be committed: handing
+        either back now would let another worker run it while this process
+        still runs it, or after its success landed. Both are left to their
+        leases: renewed until this returns, then, the process gone, expired,
+        and the sweep settles each from the mirror or runs it again. Once
+        the finisher's thread has ended, an outcome it never began to write
+        never will be: that job (its task over) is handed back at once.
         """
         self._stopping.set()
         self._release([(job, False) for job in self._buffer.close()])
@@ -251,16 +277,25 @@ class Worker:
             while thread.is_alive() and time.monotonic() < deadline \
                     and not self._hard_stop.is_set():
                 thread.join(timeout=0.1)
+        if self.in_hand.interrupt_running():
+            children_deadline = time.monotonic() + CHILD_STOP_S
+            while self.in_hand.stopping_children() and time.monotonic() < children_deadline:
+                time.sleep(0.02)
         self.finisher.close()
-        finisher_deadline = deadline + (0 if self._hard_stop.is_set() else FINISHER_GRACE_S)
+        finisher_deadline = max(deadline, time.monotonic()) + (
+            0 if self._hard_stop.is_set() else FINISHER_GRACE_S)
         while finisher.is_alive() and time.monotonic() < finisher_deadline:
             finisher.join(timeout=0.1)
-        # Jobs whose outcome is in the mirror are never released: if their ack
-        # did not land, their lease expires and recover settles them from it.
-        leftovers = self.in_hand.releasable()
-        if leftovers:
-            logger.warning("Releasing %d job(s) still in hand.", len(leftovers))
-            self._release(leftovers)
+        releasable = self.in_hand.take_releasable(finisher_ended=not finisher.is_alive())
+        if releasable:
+            self._release(releasable)
+        running, unapplied = self.in_hand.left_running()
+        self.left_running = running
+        if running or unapplied:
+            logger.warning(
+                "Stopping with %d job(s) still running in a thread and %d whose outcome is not "
+                "applied yet: they are left to their leases (the sweep settles each from the "
+                "mirror, or runs it again, once its lease expires).", running, unapplied)
 
     def _release(self, jobs: list[tuple[ClaimedJob, bool]]) -> None:
         """Hand jobs back to queued now; record interrupted attempts as released."""

@@ -29,7 +29,7 @@ from django.utils import timezone
 
 from .. import payload, retry, telemetry
 from ..broker import REDIS_ERRORS, Applied, ClaimedJob
-from ..cancellation import Cancellation, JobContext
+from ..cancellation import JobContext
 from ..compat import (
     TaskResult,
     TaskResultStatus,
@@ -40,7 +40,7 @@ from ..compat import (
 from ..exceptions import JobCancelled, JobTimeout, UnknownTask, class_path
 from ..faults import crash_point
 from ..handoff import JobBuffer, StartMarks
-from ..isolation import ChildFailed, run_in_child
+from ..isolation import ChildFailed, ChildStopped, run_in_child
 from ..keys import logical_queue
 from ..logformat import log_attempt
 from ..mirror import CANCELLED_ERROR, AttemptRecord, cancelled_record
@@ -52,7 +52,7 @@ from .backoff import Backoff, Outage
 from .database import close_old_connections_if_opened
 from .finisher import FinishedAttempt, Finisher
 from .pace import Pace
-from .registry import InHand, printable
+from .registry import Held, InHand, printable
 
 if TYPE_CHECKING:
     from ..backend import ReliableJobsBackend
@@ -135,13 +135,13 @@ class Executor:
                 else:
                     group = [job, *self.buffer.take_first_attempts(
                         mark_group(self.pace.average_ms()) - 1)]
-                held = self._mark_started(group)
-                if not held:
+                ours = self._mark_started(group)
+                if not ours:
                     continue
-                job = held[0]
-                self.buffer.put_marked(held[1:])
-            cancellation = self.in_hand.begin(job)
-            if cancellation is None:
+                job = ours[0]
+                self.buffer.put_marked(ours[1:])
+            held = self.in_hand.begin(job)
+            if held is None:
                 # Its lease was lost after the start mark: another worker may
                 # hold it now, and running it would run it twice at once.
                 logger.warning("Job %s attempt %d lost its lease before it ran; not running "
@@ -149,7 +149,8 @@ class Executor:
                 self.slot_freed.set()
                 continue
             try:
-                self._execute(job, cancellation)
+                if not self._execute(job, held):
+                    continue  # its killed child was not reaped: left to its lease
                 # Room to claim ahead again, when the main loop wants it (see
                 # Worker.wants_room: not after every no-op job). Set only if not
                 # set already: the main loop clears it before it counts the
@@ -211,16 +212,18 @@ class Executor:
                                    "started); not running it.", printable(job.id), job.attempt)
         return held
 
-    def _execute(self, job: ClaimedJob, cancellation: Cancellation) -> None:
+    def _execute(self, job: ClaimedJob, held: Held) -> bool:
+        """Run the attempt; False only if its child was killed and could not be reaped."""
         started_at = self.now()
         started_clock = time.perf_counter()
         try:
-            self._run_task(job, cancellation, started_at, started_clock)
+            return self._run_task(job, held, started_at, started_clock)
         finally:
             self.pace.observe((time.perf_counter() - started_clock) * 1000)
 
-    def _run_task(self, job: ClaimedJob, cancellation: Cancellation, started_at: datetime,
-                  started_clock: float) -> None:
+    def _run_task(self, job: ClaimedJob, held: Held, started_at: datetime,
+                  started_clock: float) -> bool:
+        cancellation = held.cancellation
         self.finisher.record(AttemptRecord(
             job_id=job.id, attempt=job.attempt, gen=job.gen, job_state=JobState.RUNNING,
             worker_id=self.worker_id, started_at=started_at))
@@ -253,11 +256,13 @@ class Executor:
                     raise JobCancelled("it was cancelled before its task began")
                 timeout_ms = self.backend.task_option(task, "timeout_ms")
                 if timeout_ms:
+                    held.isolated = True
                     value = run_in_child(
                         payload_text=job.payload, job_id=job.id, attempt=job.attempt,
                         worker_id=self.worker_id, backend=self.backend.alias,
                         queue=logical_queue(job.queue),
                         timeout_s=timeout_ms / 1000, cancellation=cancellation,
+                        interrupt=held.interrupt,
                     )
                 elif task.takes_context:
                     assert result is not None  # built above for every takes_context task
@@ -266,6 +271,8 @@ class Executor:
                 else:
                     value = task.call(*decoded.args, **decoded.kwargs)
             value = normalize_json(value)
+        except ChildStopped as exc:
+            return self._stopped(job, reaped=exc.reaped)
         except Exception as exc:
             result = self._unsuccessful_result(result, runnable, job, started_at)
             if cancellation.requested():
@@ -276,7 +283,7 @@ class Executor:
             if cancellation.requested():
                 result = self._unsuccessful_result(result, runnable, job, started_at)
                 self._cancelled(job, None, task_path, result, started_at)
-                return
+                return True
             finished_at = self.now()
             if result is not None:
                 object.__setattr__(result, "status", TaskResultStatus.SUCCESSFUL)
@@ -296,6 +303,25 @@ class Executor:
             if logger.isEnabledFor(logging.DEBUG):
                 log_attempt(logging.DEBUG, job, task_path, AttemptOutcome.SUCCEEDED,
                             (time.perf_counter() - started_clock) * 1000)
+        return True
+
+    def _stopped(self, job: ClaimedJob, *, reaped: bool) -> bool:
+        """The worker stopped past its grace period and killed this attempt's child.
+
+        Reaped, nothing of the attempt runs any more: hand the job back now
+        (its start record first, so the released record lands after it).
+        Otherwise it stays in hand, left to its lease like a thread task.
+        """
+        if not reaped:
+            logger.warning("Job %s attempt %d: its killed process could not be waited for; "
+                           "leaving the job to its lease.", printable(job.id), job.attempt)
+            return False
+        self.finisher.wait_until_flushed()
+        self.release([(job, True)])
+        logger.warning("Job %s attempt %d was still running when the grace period ended: its "
+                       "process was killed and the job handed back.",
+                       printable(job.id), job.attempt)
+        return True
 
     def _unsuccessful_result(self, result: TaskResult[..., Any] | None,
                              runnable: tuple[payload.Payload, Any] | None, job: ClaimedJob,

@@ -141,6 +141,7 @@ class Finisher:
                 except queue_module.Empty:
                     break
             raise_point("finisher_bug")
+            self.in_hand.writing(o.job for o in batch if o.job is not None)
             if batch and not self._write_mirror(batch):
                 return
             self.in_hand.mirrored(o.job for o in batch if o.job is not None)

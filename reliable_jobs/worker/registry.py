@@ -36,11 +36,19 @@ class Held:
     lost: bool = False
     #: Its task ran; its outcome is with the finisher, on its way to the ack.
     done: bool = False
-    #: Its outcome is in the mirror: never released after this (recover
-    #: settles it from the mirror if its ack does not land).
+    #: The finisher began writing its outcome to the mirror: from then on the
+    #: outcome may be committed, even if the write then failed (a commit
+    #: whose reply was lost), so the job is never handed back.
+    writing: bool = False
+    #: Its outcome is in the mirror: a refused renewal no longer means lost.
     mirrored: bool = False
+    #: Its task runs in a child process (a time limit), which a stop can kill.
+    isolated: bool = False
     #: Set by the lease keeper when Redis says the job is to be cancelled.
     cancellation: Cancellation = field(default_factory=Cancellation)
+    #: Set when the worker stops past its grace period: kills the attempt's
+    #: child process, if it has one (a thread cannot be killed).
+    interrupt: Cancellation = field(default_factory=Cancellation)
 
 
 class InHand:
@@ -76,10 +84,10 @@ class InHand:
         """Mark ``job`` running; False (and dropped) when its lease was lost meanwhile."""
         return self.begin(job) is not None
 
-    def begin(self, job: ClaimedJob) -> Cancellation | None:
-        """Mark ``job`` running and return its cancel flag; None (and dropped) when
-        its lease was lost meanwhile. One look-up for what start() and
-        cancellation() each did."""
+    def begin(self, job: ClaimedJob) -> Held | None:
+        """Mark ``job`` running and return its entry (its cancel and interrupt
+        flags); None (and dropped) when its lease was lost or it was handed
+        back meanwhile."""
         key = held_key(job)
         with self._lock:
             held = self._held.get(key)
@@ -89,7 +97,7 @@ class InHand:
                     self._done -= held.done
                 return None
             held.started = True
-            return held.cancellation
+            return held
 
     def done(self, job: ClaimedJob) -> int:
         """Mark ``job``'s task run; return how many jobs in hand are not (counts()[0])."""
@@ -120,6 +128,14 @@ class InHand:
         """(jobs not run yet or running, jobs run and waiting for their ack)."""
         with self._lock:
             return len(self._held) - self._done, self._done
+
+    def writing(self, jobs: Iterable[ClaimedJob]) -> None:
+        """Note that the finisher begins writing the outcomes of ``jobs`` (see Held.writing)."""
+        with self._lock:
+            for job in jobs:
+                held = self._held.get(held_key(job))
+                if held is not None:
+                    held.writing = True
 
     def mirrored(self, jobs: Iterable[ClaimedJob]) -> None:
         with self._lock:
@@ -155,11 +171,47 @@ class InHand:
                     by_queue[held.job.queue].append(held.job)
         return by_queue
 
-    def releasable(self) -> list[tuple[ClaimedJob, bool]]:
-        """(job, started) of every job whose outcome is not in the mirror: safe to release."""
+    def take_releasable(self, *, finisher_ended: bool) -> list[tuple[ClaimedJob, bool]]:
+        """(job, started) of every job nothing of which can run or land any more;
+        no executor may begin one of them from now on.
+
+        Those are the jobs whose task never began, and, once the finisher's
+        thread has ended (``finisher_ended``), those whose task ran but
+        whose outcome it never began to write: no commit of it can land any
+        more. Any other job is unsafe to hand back while this process
+        lives: its task may still run in a thread, or its outcome be inside
+        (or have been in) a commit that lands, or landed, unknown to this
+        worker, and the job would run again. Those are left to their
+        leases (see Worker._shutdown): the sweep settles each from the
+        mirror, or runs it again if its outcome is not there.
+        """
         with self._lock:
-            return [(held.job, held.started) for held in self._held.values()
-                    if not held.mirrored]
+            taken = [held for held in self._held.values() if not held.started
+                     or (finisher_ended and held.done and not held.writing)]
+            for held in taken:
+                held.lost = True  # begin() refuses it now
+            return [(held.job, held.started) for held in taken]
+
+    def interrupt_running(self) -> int:
+        """Ask every running attempt to stop (kills the children); return how many run."""
+        with self._lock:
+            running = [held for held in self._held.values() if held.started and not held.done]
+        for held in running:
+            held.interrupt.request()  # outside the lock: it runs hooks (kills a child)
+        return len(running)
+
+    def stopping_children(self) -> int:
+        """How many interrupted attempts in a child process have not ended yet."""
+        with self._lock:
+            return sum(1 for held in self._held.values()
+                       if held.isolated and held.started and not held.done
+                       and held.interrupt.requested())
+
+    def left_running(self) -> tuple[int, int]:
+        """(attempts begun and not finished, finished attempts whose outcome is not applied)."""
+        with self._lock:
+            running = sum(1 for held in self._held.values() if held.started and not held.done)
+            return running, self._done
 
     def sample(self, limit: int) -> list[str]:
         """Up to ``limit`` "queue:id" labels, for the heartbeat."""

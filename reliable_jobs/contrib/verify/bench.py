@@ -23,7 +23,7 @@ from reliable_jobs import mirror, payload, scripts
 from reliable_jobs.backend import ReliableJobsBackend
 from reliable_jobs.compat import Task
 from reliable_jobs.models import Attempt, Job
-from reliable_jobs.retention import prune
+from reliable_jobs.retention import prune, prune_floor
 from reliable_jobs.worker import Worker
 
 from . import tasks
@@ -419,7 +419,12 @@ def sustained(backend: ReliableJobsBackend, queue: str, *, total: int, per_round
             pruned_at = time.perf_counter()
             if stand_in_for_autovacuum:
                 vacuum(backend)  # before the prune, as autovacuum keeps the statistics
-            pruned = prune(backend, older_than=retention).jobs
+            # Every job of the round is drained (acked, so mirrored) before its
+            # prune, so none is unfinished in Redis: a retention shorter than
+            # prune_floor (which protects a job Redis may not have finished)
+            # is measured as asked. prunejobs never goes below the floor.
+            below_floor = max(timedelta(0), prune_floor(backend) - retention)
+            pruned = prune(backend, older_than=retention, now=timezone.now() + below_floor).jobs
             prune_s = time.perf_counter() - pruned_at
             rows, size_bytes = job_table_size(backend)
             report(Round(done, rate, prune_s, pruned, rows, size_bytes, rss_bytes()))

@@ -63,6 +63,7 @@ from .chaos_report import (
     Fault,
     Interrupted,
     Kill,
+    Stop,
     rerun_delays,
 )
 from .netfaults import CuttableProxy
@@ -75,8 +76,12 @@ if TYPE_CHECKING:
 
 #: Seconds the sweep process waits between passes.
 SWEEP_INTERVAL_S = 0.5
-#: Seconds a worker gets to finish its jobs once the run stops it (``--grace``).
-WORKER_GRACE_S = 2.0
+#: Seconds a rolling-deploy stop may take beyond the grace period (the
+#: finisher's own grace, worker.core.FINISHER_GRACE_S, plus start-up slack)
+#: before the run SIGKILLs the worker and counts the stop as unclean.
+STOP_SLACK_S = 20.0
+#: Seconds between the first and the second SIGTERM of a hard stop.
+SECOND_SIGTERM_AFTER_S = 1.0
 #: Seconds the first workers get to start (import Django, heartbeat).
 START_TIMEOUT_S = 60.0
 #: Seconds between two checks of the queue while waiting for it to drain.
@@ -108,6 +113,9 @@ class ChaosRun(ChaosCounting):
         #: known dead (``time.time()``): the ledger's end of its unfinished runs.
         self.deaths: dict[int, float] = {}
         self.faults: list[Fault] = []
+        #: Rolling-deploy stops, in order (see _stop_one).
+        self.stops: list[Stop] = []
+        self._stopping: list[tuple[Stop, subprocess.Popen[bytes]]] = []
         self._proxy: CuttableProxy | None = None
         self._planned = (0, 0)
 
@@ -199,6 +207,7 @@ class ChaosRun(ChaosCounting):
                              f"{cfg.duration_s:g} s")
                     chaos_s = self._chaos(fleet, ids)
                     drain_s = self._drain(fleet, ids)
+                    self._reap_stopping(wait=True)
                 finally:
                     if self._proxy is not None:
                         self._proxy.restore()  # let the workers finish cleanly
@@ -214,12 +223,17 @@ class ChaosRun(ChaosCounting):
         cfg = self.config
         failing = round(cfg.jobs * cfg.fail_percent / 100)
         giving_up = round(cfg.jobs * cfg.give_up_percent / 100)
-        planned = random.Random(f"{self.seed}-plan").sample(range(cfg.jobs), failing + giving_up)
+        long = round(cfg.jobs * cfg.long_percent / 100)
+        planned = random.Random(f"{self.seed}-plan").sample(range(cfg.jobs),
+                                                             failing + giving_up + long)
         kwargs: dict[int, dict[str, Any]] = {index: {"fail_attempts": 1}
                                              for index in planned[:failing]}
-        kwargs.update({index: {"give_up": True} for index in planned[failing:]})
+        kwargs.update({index: {"give_up": True}
+                       for index in planned[failing:failing + giving_up]})
+        longer = set(planned[failing + giving_up:])
         self._planned = (failing, giving_up)
-        return [((cfg.task_ms / 1000,), kwargs.get(index, {})) for index in range(cfg.jobs)]
+        return [(((cfg.long_ms if index in longer else cfg.task_ms) / 1000,),
+                 kwargs.get(index, {})) for index in range(cfg.jobs)]
 
     def _start_worker(self, fleet: Fleet) -> Slot:
         self._serial += 1
@@ -227,7 +241,7 @@ class ChaosRun(ChaosCounting):
         proc = fleet.start(
             worker_id, "runworker", "--queue", self.queue, "--backend", self.backend.alias,
             "--concurrency", str(self.config.concurrency), "--worker-id", worker_id,
-            "--grace", str(WORKER_GRACE_S), "-v", str(self.config.child_verbosity),
+            "--grace", str(self.config.grace_s), "-v", str(self.config.child_verbosity),
         )
         return Slot(worker_id, worker_id, proc)
 
@@ -264,14 +278,20 @@ class ChaosRun(ChaosCounting):
         pending = self._fault_schedule(ids)
         end = started + max([self.config.duration_s, *(at for at, _ in pending)])
         next_kill = started + self.config.kill_every_s
+        stop_every = self.config.sigterm_every_s
+        next_stop = started + stop_every if stop_every is not None else float("inf")
         next_check = started + 1.0
         while (now := time.monotonic()) < end:
             self._restart_exited(fleet)
+            self._reap_stopping()
             while pending and now >= started + pending[0][0]:
                 pending.pop(0)[1](now - started)
             if now >= next_kill:
                 self._kill_one(fleet)
                 next_kill += self.config.kill_every_s
+            if stop_every is not None and now >= next_stop:
+                self._stop_one(fleet)
+                next_stop += stop_every
             if now >= next_check and not pending:
                 next_check = now + 1.0
                 if self._drained(ids):
@@ -279,6 +299,8 @@ class ChaosRun(ChaosCounting):
                              "no more kills (raise --jobs or --task-ms for a longer chaos)")
                     break
             time.sleep(max(0.0, min(0.05, next_kill - time.monotonic())))
+        for _, action in pending:  # due at the very end (PostgreSQL back at --duration)
+            action(time.monotonic() - started)
         return time.monotonic() - started
 
     def _fault_schedule(self, ids: list[str]) -> list[tuple[float, Callable[[float], None]]]:
@@ -347,6 +369,65 @@ class ChaosRun(ChaosCounting):
         self.kills.append(Kill(slot.worker_id, at, held, pid=slot.proc.pid, died_at=died_at))
         self.slots[self.slots.index(slot)] = self._start_worker(fleet)
 
+    def _stop_one(self, fleet: Fleet) -> None:
+        """A rolling deploy's step: SIGTERM a random worker and start its replacement now.
+
+        Every ``second_sigterm_every``-th stop gets a second SIGTERM a second
+        later (a hard stop). The worker drains by itself; _reap_stopping
+        notes when it exited. Only a worker that beats is chosen: one still
+        starting has no signal handler yet, and would die of the signal.
+        """
+        alive = [slot for slot in self.slots if slot.proc.poll() is None
+                 and worker_info(self.backend.broker, slot.worker_id) is not None]
+        if not alive:
+            return
+        slot = self.rng.choice(alive)
+        slot.proc.terminate()
+        now = time.time()
+        every = self.config.second_sigterm_every
+        hard = bool(every) and (len(self.stops) + 1) % every == 0
+        stop = Stop(slot.worker_id, slot.proc.pid, signalled_at=now,
+                    deadline=now + (SECOND_SIGTERM_AFTER_S if hard else self.config.grace_s),
+                    second_at=now + SECOND_SIGTERM_AFTER_S if hard else None)
+        self.stops.append(stop)
+        self._stopping.append((stop, slot.proc))
+        self.slots[self.slots.index(slot)] = self._start_worker(fleet)
+
+    def _reap_stopping(self, *, wait: bool = False) -> None:
+        """Send due second SIGTERMs, note exits, SIGKILL a stop that takes too long.
+
+        ``wait``: until every stopping worker has exited (bounded by the same
+        limit), so none is left for the final stop of the fleet.
+        """
+        while self._stopping:
+            now = time.time()
+            for stop, proc in list(self._stopping):
+                if proc.poll() is not None:
+                    stop.exited_at, stop.exit_code = time.time(), proc.returncode
+                    self._stopping.remove((stop, proc))
+                    if stop.second_at is not None or proc.returncode != 0:
+                        # A hard stop is a crash for the jobs it cut short, and
+                        # so is an exit that was not clean.
+                        self.deaths[proc.pid] = stop.exited_at
+                elif stop.second_at is not None and now >= stop.second_at \
+                        and not stop.second_sent:
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.terminate()
+                    stop.second_sent, stop.deadline = True, time.time()
+                elif now > stop.signalled_at + self.config.grace_s + STOP_SLACK_S:
+                    proc.kill()
+                    proc.wait()
+                    stop.killed, stop.exited_at = True, time.time()
+                    stop.exit_code = proc.returncode
+                    self.deaths[proc.pid] = stop.exited_at
+                    self._stopping.remove((stop, proc))
+                    self.out(f"chaosjobs: worker {stop.worker_id} did not stop within "
+                             f"{self.config.grace_s + STOP_SLACK_S:g} s of its SIGTERM; "
+                             "SIGKILLed")
+            if not wait:
+                return
+            time.sleep(0.05)
+
     def _restart_exited(self, fleet: Fleet) -> None:
         """Replace a worker or sweep that exited by itself (counted: it should not happen)."""
         for index, slot in enumerate(self.slots):
@@ -369,6 +450,7 @@ class ChaosRun(ChaosCounting):
         deadline = started + self.config.drain_timeout_s
         while time.monotonic() < deadline:
             self._restart_exited(fleet)
+            self._reap_stopping()
             if self._drained(ids):
                 return time.monotonic() - started
             time.sleep(POLL_S)

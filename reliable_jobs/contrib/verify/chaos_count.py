@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from reliable_jobs.compat import Task
-from reliable_jobs.models import Attempt, Job, JobState
+from reliable_jobs.models import Attempt, AttemptOutcome, Job, JobState
 from reliable_jobs.worker.executor import MARK_AHEAD
 
 from . import chaos_ledger
 from .broker_reads import lease_count
-from .chaos_report import ChaosConfig, ChaosReport, Fault, Kill, rerun_delays
+from .chaos_report import ChaosConfig, ChaosReport, Fault, Kill, Stop, rerun_delays
 
 if TYPE_CHECKING:
     from reliable_jobs.backend import ReliableJobsBackend
@@ -39,6 +39,7 @@ class ChaosCounting:
     log_dir: Path
     ledger_dir: Path
     kills: list[Kill]
+    stops: list[Stop]
     faults: list[Fault]
     deaths: dict[int, float]
     unexpected_exits: int
@@ -80,7 +81,9 @@ class ChaosCounting:
             seed=self.seed, enqueued=len(ids), kills=len(self.kills),
             unexpected_exits=self.unexpected_exits, chaos_s=chaos_s, drain_s=drain_s,
             log_dir=str(self.log_dir), planned_failures=self._planned[0],
-            planned_give_ups=self._planned[1],
+            planned_give_ups=self._planned[1], stops=len(self.stops),
+            hard_stops=sum(1 for stop in self.stops if stop.second_at is not None),
+            unclean_stops=sum(1 for stop in self.stops if stop.killed or stop.exit_code != 0),
         )
         states: Counter[str] = Counter()
         final_states: dict[str, str] = {}
@@ -113,29 +116,52 @@ class ChaosCounting:
             FLUSH_FAULT: "off" if cfg.flush_redis_at_s is None else "not reached",
             CUT_FAULT: "off" if cfg.cut_postgres_at_s is None else "not reached",
         } | {fault.name: fault.detail for fault in self.faults}
-        self._check_ledger(report, final_states, ended_at)
+        mirrored_successes: dict[str, set[int]] = defaultdict(set)
+        for job_id, rows in attempts.items():
+            mirrored_successes[job_id] = {a.number for a in rows
+                                          if a.outcome == AttemptOutcome.SUCCEEDED}
+        self._check_ledger(report, final_states, ended_at, mirrored_successes)
         if report.lost or drain_s is None:
             report.leftovers = self._leftovers(ids, states)
         return report
 
     def _check_ledger(self, report: ChaosReport, final_states: dict[str, str],
-                      ended_at: float) -> None:
+                      ended_at: float, mirrored_successes: dict[str, set[int]]) -> None:
         """Read the execution ledger, check it, and keep the evidence next to the logs."""
         ledger = chaos_ledger.read_ledger(self.ledger_dir)
         if not ledger.runs:
             return  # a --task that keeps no ledger: nothing to check
+        # Stops that ended cleanly: a second SIGTERM or an unclean exit is in
+        # self.deaths already, as a crash.
+        stops = {stop.pid: chaos_ledger.GracefulStop(stop.deadline, stop.exited_at)
+                 for stop in self.stops if stop.exited_at and stop.pid not in self.deaths}
         findings = chaos_ledger.analyse(
             ledger, deaths=self.deaths, final_states=final_states, ended_at=ended_at,
             redis_losses=[fault.wall for fault in self.faults if fault.name == FLUSH_FAULT],
-            start_lag_s=max(1.0, 2 * MARK_AHEAD * self.config.task_ms / 1000))
+            start_lag_s=max(1.0, 2 * MARK_AHEAD * self.config.task_ms / 1000), stops=stops,
+            mirrored_successes=mirrored_successes,
+            crashed_at={stop.pid: stop.deadline for stop in self.stops
+                        if stop.second_sent and stop.pid in self.deaths})
         report.ledger = findings
-        report.evidence = chaos_ledger.evidence(findings, self.deaths)
+        deadlines = {stop.pid: stop.deadline for stop in self.stops if stop.exited_at}
+        report.cut_by_stop = sum(
+            1 for run in ledger.runs
+            if (deadline := deadlines.get(run.pid)) is not None and run.start <= deadline
+            and (run.end is None or run.end > deadline))
+        report.evidence = chaos_ledger.evidence(findings, self.deaths, stops=stops)
         lines = [f"kill: worker {kill.worker_id} pid {kill.pid} dead at "
                  f"{chaos_ledger.clock(kill.died_at)}" for kill in self.kills]
+        lines += [f"stop: worker {stop.worker_id} pid {stop.pid} SIGTERM at "
+                  f"{chaos_ledger.clock(stop.signalled_at)}"
+                  + (" and again" if stop.second_at is not None else "")
+                  + f", deadline {chaos_ledger.clock(stop.deadline)}, exited "
+                  f"{chaos_ledger.clock(stop.exited_at or None)} with {stop.exit_code}"
+                  + (" (SIGKILLed)" if stop.killed else "") for stop in self.stops]
         lines += [f"fault: {fault.name} {fault.detail} ({chaos_ledger.clock(fault.wall)} UTC)"
                   for fault in self.faults]
         (self.log_dir / "ledger-findings.txt").write_text(
-            "\n".join([*lines, *chaos_ledger.evidence(findings, self.deaths, limit=10**9)])
+            "\n".join([*lines, *chaos_ledger.evidence(findings, self.deaths, limit=10**9,
+                                                       stops=stops)])
             + "\n")
 
     def _leftovers(self, ids: list[str], states: Counter[str]) -> str:

@@ -183,6 +183,10 @@ class Findings:
     #: Runs with no end whose process the run never saw die (a worker can
     #: only stop mid-body by dying): each is held open to the end of the run.
     open_runs: list[Run] = field(default_factory=list)
+    #: Jobs that ended dead although their last completed run succeeded,
+    #: because that success never reached the mirror (its process crashed
+    #: first) and the job then ran out of attempts: what G3 allows.
+    buried_after_lost_success: list[WrongFinal] = field(default_factory=list)
     unreadable: int = 0
 
     @property
@@ -203,9 +207,24 @@ def expected_state(last: Run | None) -> str:
     return "succeeded" if last is not None and last.outcome == SUCCEEDED else "dead"
 
 
+@dataclass(frozen=True, slots=True)
+class GracefulStop:
+    """A worker stopped by SIGTERM that exited by itself: when its grace ended, when it exited.
+
+    ``deadline`` is the end of its grace period, or its second SIGTERM if
+    that came first (a hard stop).
+    """
+
+    deadline: float
+    exited_at: float
+
+
 def analyse(ledger: Ledger | Iterable[Run], *, deaths: Mapping[int, float],
             final_states: Mapping[str, str], ended_at: float,
-            redis_losses: Iterable[float] = (), start_lag_s: float = 1.0) -> Findings:
+            redis_losses: Iterable[float] = (), start_lag_s: float = 1.0,
+            stops: Mapping[int, GracefulStop] | None = None,
+            mirrored_successes: Mapping[str, set[int]] | None = None,
+            crashed_at: Mapping[int, float] | None = None) -> Findings:
     """Check the ledger against the process deaths the run caused and the final states.
 
     ``deaths`` maps the pid of every worker process that died during the run
@@ -230,7 +249,27 @@ def analyse(ledger: Ledger | Iterable[Run], *, deaths: Mapping[int, float],
       still held it, unacked), nor Redis lose its data in that window. A job
       first run in a process killed later is excused only for kills inside
       that window.
+    - A graceful stop (``stops``: pid -> its deadline and exit) is no crash:
+      a run that ended before its worker's deadline must never run again
+      (its outcome was recorded in the grace period). Only a run still going
+      at the deadline (cut short by the exit, or ended too late for its
+      outcome to be recorded) may run again, and only after its process
+      exited: the job is left to its lease, never handed back while the
+      process may still run it. A run with no end in such a process lasts
+      until the process exited.
+    - ``crashed_at``: for a process in ``deaths`` whose crash began before
+      it died (a second SIGTERM: the worker drops what it has not
+      committed at once, then exits), when it began. A re-run is excused
+      from then on; its runs still last until the death.
+    - ``mirrored_successes`` (job -> the attempts the mirror recorded as
+      succeeded), when given: a job that ended dead although its last
+      completed run succeeded is no wrong final state if that success never
+      reached the mirror and its process crashed (or was stopped past its
+      deadline) after the run ended: the success died with the process, the
+      job ran out of attempts. It is listed apart.
     """
+    stops = stops or {}
+    crashed_at = crashed_at or {}
     losses = sorted(redis_losses)
     runs = list(ledger.runs if isinstance(ledger, Ledger) else ledger)
     findings = Findings(runs=len(runs),
@@ -243,9 +282,11 @@ def analyse(ledger: Ledger | Iterable[Run], *, deaths: Mapping[int, float],
     def until(run: Run) -> float:
         if run.end is not None:
             return run.end
-        return deaths.get(run.pid, ended_at)
+        stop = stops.get(run.pid)
+        return deaths.get(run.pid, stop.exited_at if stop is not None else ended_at)
 
-    findings.open_runs = [run for run in runs if run.end is None and run.pid not in deaths]
+    findings.open_runs = [run for run in runs if run.end is None and run.pid not in deaths
+                          and run.pid not in stops]
     for job, job_runs in by_job.items():
         job_runs.sort(key=lambda r: (r.start, r.run))
         for index, first in enumerate(job_runs):
@@ -256,9 +297,14 @@ def analyse(ledger: Ledger | Iterable[Run], *, deaths: Mapping[int, float],
             if previous.outcome == FAILED:
                 continue
             died = deaths.get(previous.pid)
-            if died is not None and previous.start <= died <= run.start:
+            if died is not None and previous.start <= min(
+                    died, crashed_at.get(previous.pid, died)) <= run.start:
                 continue
             if any(previous.start - start_lag_s <= lost <= run.start for lost in losses):
+                continue
+            stop = stops.get(previous.pid)
+            if (stop is not None and (previous.end is None or previous.end > stop.deadline)
+                    and until(previous) <= run.start):
                 continue
             findings.reruns_without_crash.append(RerunWithoutCrash(job, previous, run))
     for job, state in final_states.items():
@@ -267,9 +313,26 @@ def analyse(ledger: Ledger | Iterable[Run], *, deaths: Mapping[int, float],
         completed = [run for run in by_job.get(job, ()) if run.end is not None]
         last = max(completed, key=lambda r: (r.end or 0.0, r.start), default=None)
         expected = expected_state(last)
-        if state != expected:
-            findings.wrong_final.append(WrongFinal(job, state, expected, last))
+        if state == expected:
+            continue
+        wrong = WrongFinal(job, state, expected, last)
+        if last is not None and mirrored_successes is not None and state == "dead" \
+                and last.attempt not in mirrored_successes.get(job, ()) \
+                and lost_with_its_process(last, deaths, stops):
+            findings.buried_after_lost_success.append(wrong)
+        else:
+            findings.wrong_final.append(wrong)
     return findings
+
+
+def lost_with_its_process(run: Run, deaths: Mapping[int, float],
+                          stops: Mapping[int, GracefulStop]) -> bool:
+    """Whether ``run``'s process ended, by a crash or past a stop's deadline, after it ran."""
+    died = deaths.get(run.pid)
+    if died is not None:
+        return run.end is not None and died >= run.end
+    stop = stops.get(run.pid)
+    return stop is not None and run.end is not None and run.end > stop.deadline
 
 
 def clock(t: float | None) -> str:
@@ -279,31 +342,42 @@ def clock(t: float | None) -> str:
     return datetime.fromtimestamp(t, UTC).strftime("%H:%M:%S.%f")[:-3]
 
 
-def describe_run(run: Run, deaths: Mapping[int, float]) -> str:
+def describe_run(run: Run, deaths: Mapping[int, float],
+                 stops: Mapping[int, GracefulStop] | None = None) -> str:
     died = deaths.get(run.pid)
+    stop = (stops or {}).get(run.pid)
     return (f"attempt {run.attempt} pid {run.pid} {clock(run.start)}-{clock(run.end)} "
             f"{run.outcome or 'no end'}"
-            + (f" (pid died {clock(died)})" if died is not None else " (pid never killed)"))
+            + (f" (pid died {clock(died)})" if died is not None
+               else f" (pid stopped: grace ended {clock(stop.deadline)}, exited "
+                    f"{clock(stop.exited_at)})" if stop is not None
+               else " (pid never killed)"))
 
 
-def evidence(findings: Findings, deaths: Mapping[int, float], *, limit: int = 20) -> list[str]:
+def evidence(findings: Findings, deaths: Mapping[int, float], *, limit: int = 20,
+             stops: Mapping[int, GracefulStop] | None = None) -> list[str]:
     """One line per finding (at most ``limit`` of each kind): job, runs, pids, times (UTC)."""
     lines: list[str] = []
     for overlap in findings.overlaps[:limit]:
         lines.append(f"ran concurrently: job {overlap.job}: "
-                     f"{describe_run(overlap.first, deaths)} | "
-                     f"{describe_run(overlap.second, deaths)}")
+                     f"{describe_run(overlap.first, deaths, stops)} | "
+                     f"{describe_run(overlap.second, deaths, stops)}")
     for wrong in findings.wrong_final[:limit]:
         lines.append(f"final state differs: job {wrong.job} is {wrong.state}, its last completed "
                      f"run says {wrong.expected}: "
-                     + (describe_run(wrong.last, deaths) if wrong.last else "no completed run"))
+                     + (describe_run(wrong.last, deaths, stops) if wrong.last
+                        else "no completed run"))
     for rerun in findings.reruns_without_crash[:limit]:
         lines.append(f"re-ran without a crash: job {rerun.job}: "
-                     f"{describe_run(rerun.previous, deaths)} then "
-                     f"{describe_run(rerun.run, deaths)}")
+                     f"{describe_run(rerun.previous, deaths, stops)} then "
+                     f"{describe_run(rerun.run, deaths, stops)}")
+    for wrong in findings.buried_after_lost_success[:limit]:
+        lines.append(f"dead after its last success died unrecorded with its process "
+                     f"(allowed): job {wrong.job}: "
+                     + (describe_run(wrong.last, deaths, stops) if wrong.last else "-"))
     for run in findings.open_runs[:limit]:
         lines.append(f"run with no end in a process never seen dying: job {run.job}: "
-                     f"{describe_run(run, deaths)}")
+                     f"{describe_run(run, deaths, stops)}")
     if findings.unreadable:
         lines.append(f"{findings.unreadable} unreadable ledger line(s)")
     return lines

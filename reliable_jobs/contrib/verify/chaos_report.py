@@ -55,6 +55,18 @@ class ChaosConfig:
     #: Seconds into the chaos to cut PostgreSQL off, and for how long (None: never).
     cut_postgres_at_s: float | None = None
     cut_postgres_for_s: float = 3.0
+    #: Seconds between two rolling-deploy stops: SIGTERM a random worker and
+    #: start its replacement at once (None: never).
+    sigterm_every_s: float | None = None
+    #: Every n-th of those stops gets a second SIGTERM (a hard stop) a second
+    #: after the first (0: never).
+    second_sigterm_every: int = 3
+    #: ``--grace`` of every worker, in seconds.
+    grace_s: float = 2.0
+    #: Percent of jobs that sleep ``long_ms`` instead of ``task_ms``: longer
+    #: than the grace period, so a deploy finds them running when it ends.
+    long_percent: float = 0.0
+    long_ms: int = 5_000
 
     def problems(self) -> list[str]:
         """Each flag that is out of range, as a whole sentence."""
@@ -66,16 +78,24 @@ class ChaosConfig:
                                      ("--fail-percent", self.fail_percent, 0),
                                      ("--give-up-percent", self.give_up_percent, 0),
                                      ("--flush-redis-at", self.flush_redis_at_s or 0, 0),
-                                     ("--cut-postgres-at", self.cut_postgres_at_s or 0, 0)):
+                                     ("--cut-postgres-at", self.cut_postgres_at_s or 0, 0),
+                                     ("--second-sigterm-every", self.second_sigterm_every, 0),
+                                     ("--grace", self.grace_s, 0),
+                                     ("--long-percent", self.long_percent, 0),
+                                     ("--long-ms", self.long_ms, 0)):
             if value < minimum:
                 found.append(f"{name} must be at least {minimum}, not {value}.")
+        if self.sigterm_every_s is not None and self.sigterm_every_s <= 0:
+            found.append("--sigterm-every must be a positive number of seconds, not "
+                         f"{self.sigterm_every_s}.")
         for name, value in (("--kill-every", self.kill_every_s),
                             ("--drain-timeout", self.drain_timeout_s),
                             ("--cut-postgres-for", self.cut_postgres_for_s)):
             if value <= 0:
                 found.append(f"{name} must be a positive number of seconds, not {value}.")
-        if self.fail_percent + self.give_up_percent > 100:
-            found.append("--fail-percent and --give-up-percent add up to more than 100.")
+        if self.fail_percent + self.give_up_percent + self.long_percent > 100:
+            found.append("--fail-percent, --give-up-percent and --long-percent add up to more "
+                         "than 100.")
         return found
 
 
@@ -92,6 +112,27 @@ class Kill:
     pid: int = 0
     #: ``time.time()`` once the process was reaped: the end of its unfinished runs.
     died_at: float = 0.0
+
+
+@dataclass(slots=True)
+class Stop:
+    """One rolling-deploy stop: a SIGTERM (maybe two) to a worker, and how it ended."""
+
+    worker_id: str
+    pid: int
+    #: ``time.time()`` of the first SIGTERM.
+    signalled_at: float
+    #: ``time.time()`` when its running jobs may be cut short: the end of the
+    #: grace period, or the second SIGTERM (a hard stop) if that came first.
+    deadline: float
+    #: When to send the second SIGTERM (None: never), and whether it was sent.
+    second_at: float | None = None
+    second_sent: bool = False
+    #: ``time.time()`` once the process was reaped (0: still stopping).
+    exited_at: float = 0.0
+    exit_code: int | None = None
+    #: It did not exit in time and was SIGKILLed (then it counts as a crash).
+    killed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +168,15 @@ class ChaosReport:
     #: job whose claims were cut short before it started.
     max_runs_seen: int = 0
     kills: int = 0
+    #: Rolling-deploy stops: workers SIGTERMed, those given a second SIGTERM,
+    #: and those that exited non-zero or had to be SIGKILLed.
+    stops: int = 0
+    hard_stops: int = 0
+    unclean_stops: int = 0
+    #: Runs still going when their worker's grace period ended (or its second
+    #: SIGTERM came): each may run again once its lease expires (a hard stop
+    #: is a crash for them).
+    cut_by_stop: int = 0
     #: Workers and sweeps that exited without being killed (restarted).
     unexpected_exits: int = 0
     #: Jobs that were in a killed worker's hands and then ran again.
@@ -156,7 +206,7 @@ class ChaosReport:
     @property
     def ok(self) -> bool:
         return (self.lost == 0 and self.drain_s is not None and self.dead_without_error == 0
-                and (self.ledger is None or self.ledger.clean))
+                and self.unclean_stops == 0 and (self.ledger is None or self.ledger.clean))
 
     def table(self) -> str:
         """A Markdown table, ready for the documentation."""
@@ -187,12 +237,22 @@ class ChaosReport:
              ledger_count(len(ledger.wrong_final) if ledger else 0)),
             ("**re-ran without a crash (must be 0)**",
              ledger_count(ledger.rerun_jobs if ledger else 0)),
+            ("dead after its last success died unrecorded with its process",
+             "-" if ledger is None else f"{len(ledger.buried_after_lost_success):,}"),
             ("claimed more than once (attempts > 1)", f"{self.claimed_again:,}"),
             ("run more than once (2+ started attempts)", f"{self.ran_again:,}"),
             ("most claims of one job (attempts)", f"{self.max_attempts_seen}"),
             ("most runs of one job (started attempts)",
              f"{self.max_runs_seen} (max_attempts {self.max_attempts_allowed})"),
             ("workers killed (SIGKILL)", f"{self.kills:,}"),
+            ("workers stopped by SIGTERM (rolling deploy)",
+             "off" if c.sigterm_every_s is None else f"{self.stops:,}"),
+            ("of which stopped hard by a second SIGTERM",
+             "off" if c.sigterm_every_s is None else f"{self.hard_stops:,}"),
+            ("stops that exited non-zero or were SIGKILLed (must be 0)",
+             "off" if c.sigterm_every_s is None else f"{self.unclean_stops:,}"),
+            ("runs still going when their worker's grace ended (or second SIGTERM came)",
+             "off" if c.sigterm_every_s is None else f"{self.cut_by_stop:,}"),
             *((name, detail) for name, detail in self.faults.items()),
             ("jobs a killed worker held, seen to run again", f"{self.interrupted:,}"),
             ("worst crash-to-rerun", seconds(rerun[-1] if rerun else None)),
@@ -205,7 +265,12 @@ class ChaosReport:
         lines = [
             f"chaosjobs: {self.enqueued:,} jobs of {c.task_ms} ms on {c.workers} workers x "
             f"{c.concurrency} threads, SIGKILL every {c.kill_every_s:g} s for {c.duration_s:g} s; "
-            f"LEASE_MS {self.lease_ms}, SWEEP_INTERVAL_MS {self.sweep_interval_ms}, "
+            + (f"SIGTERM every {c.sigterm_every_s:g} s with --grace {c.grace_s:g} ("
+               + (f"a second SIGTERM every {c.second_sigterm_every} stops"
+                  if c.second_sigterm_every else "never a second SIGTERM")
+               + f"), {c.long_percent:g}% of jobs {c.long_ms} ms; "
+               if c.sigterm_every_s is not None else "")
+            + f"LEASE_MS {self.lease_ms}, SWEEP_INTERVAL_MS {self.sweep_interval_ms}, "
             f"seed {self.seed}",
             "",
             f"| {'figure':<{width}} | value |",

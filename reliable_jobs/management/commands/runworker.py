@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +17,8 @@ from reliable_jobs.health import HeartbeatFile
 from reliable_jobs.management.base import ReliableJobsCommand, number, queue_list, whole_number
 from reliable_jobs.supervisor import Supervisor, runworker_command_line
 from reliable_jobs.worker import Worker, default_worker_id
+
+logger = logging.getLogger("reliable_jobs.worker")
 
 
 class Command(ReliableJobsCommand):
@@ -136,15 +141,43 @@ class Command(ReliableJobsCommand):
         try:
             worker.run()
         finally:
+            # Stopped: what is left is the interpreter's exit, during which
+            # Python puts back the default action of the signals it handled. A
+            # second SIGTERM arriving then would turn a clean stop into a
+            # death by signal (exit -15, which a supervisor reports).
+            worker.ignore_signals()
             if heartbeat is not None:
                 heartbeat.stop()
+        error = None
         if worker.crashed:
-            raise CommandError("A worker thread died of an unexpected error (logged above); "
-                               "its jobs were handed back.")
-        if worker.gave_up:
-            raise CommandError(f"Redis did not answer for {options['burst_give_up']:g} s; the "
-                               "burst run gave up (its jobs stay queued). Check REDIS_URL and "
-                               "that Redis is running.")
+            error = ("A worker thread died of an unexpected error (logged above); its jobs "
+                     "were handed back.")
+        elif worker.gave_up:
+            error = (f"Redis did not answer for {options['burst_give_up']:g} s; the burst run "
+                     "gave up (its jobs stay queued). Check REDIS_URL and that Redis is running.")
+        if worker.left_running:
+            self._end_now(worker.left_running, error)
+        if error is not None:
+            raise CommandError(error)
+
+    def _end_now(self, running: int, error: str | None) -> None:
+        """End the process at once: tasks still run in its threads.
+
+        Their jobs are left to their leases, renewed one last time as the
+        worker stopped, and another worker may run them once a lease
+        expires. An interpreter teardown (atexit, finalizers) can take
+        seconds on a busy machine, and a thread could run on meanwhile;
+        ``os._exit`` ends every thread now, well within the lease. (Hence
+        runworker is started from the command line, not call_command().)
+        """
+        logger.warning("Exiting now: %d task(s) still running in threads end with the process.",
+                       running)
+        if error is not None:
+            self.stderr.write(f"CommandError: {error}")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1 if error is not None else 0)
 
     @staticmethod
     def _check_writable(path: str) -> None:

@@ -16,7 +16,8 @@ class Command(ReliableJobsCommand):
     help = (
         "Chaos run: start --workers `runworker` processes and a `recoverjobs --interval 0.5` "
         "sweep, enqueue --jobs jobs, SIGKILL a random worker every --kill-every seconds for "
-        "--duration seconds (starting a replacement each time), optionally empty Redis "
+        "--duration seconds (starting a replacement each time), optionally SIGTERM one every "
+        "--sigterm-every seconds as a rolling deploy does, optionally empty Redis "
         "(--flush-redis-at) and cut PostgreSQL off (--cut-postgres-at), wait for the queue to "
         "drain, stop every process it started, and print a table: enqueued, succeeded, dead, "
         "lost (must be 0), run more than once, worst crash-to-rerun time, and what the "
@@ -75,6 +76,23 @@ class Command(ReliableJobsCommand):
         parser.add_argument("--cut-postgres-for", type=float,
                             default=defaults.cut_postgres_for_s, metavar="SECONDS",
                             help="How long PostgreSQL stays cut off (default: %(default)r).")
+        parser.add_argument("--sigterm-every", type=float, default=None, metavar="SECONDS",
+                            help="Rolling deploy: every this many seconds SIGTERM a random "
+                                 "worker and start its replacement at once; the ledger then "
+                                 "also checks that a job whose run ended within its worker's "
+                                 "grace period never runs again (default: never).")
+        parser.add_argument("--second-sigterm-every", type=int,
+                            default=defaults.second_sigterm_every, metavar="N",
+                            help="With --sigterm-every: every N-th stop gets a second SIGTERM "
+                                 "a second later, a hard stop (0: never; default: %(default)r).")
+        parser.add_argument("--grace", type=float, default=defaults.grace_s,
+                            help="Each worker's --grace, in seconds (default: %(default)r).")
+        parser.add_argument("--long-percent", type=float, default=defaults.long_percent,
+                            help="Percent of jobs that sleep --long-ms instead of --task-ms, "
+                                 "so a stop finds them running past --grace "
+                                 "(default: %(default)r).")
+        parser.add_argument("--long-ms", type=int, default=defaults.long_ms,
+                            help="Milliseconds a long job sleeps (default: %(default)r).")
         parser.add_argument("--seed", type=int, default=None,
                             help="Seed of the choice of victims (default: random, printed).")
         parser.add_argument("--queue", default=None,
@@ -91,6 +109,9 @@ class Command(ReliableJobsCommand):
             flush_redis_at_s=options["flush_redis_at"],
             cut_postgres_at_s=options["cut_postgres_at"],
             cut_postgres_for_s=options["cut_postgres_for"],
+            sigterm_every_s=options["sigterm_every"],
+            second_sigterm_every=options["second_sigterm_every"], grace_s=options["grace"],
+            long_percent=options["long_percent"], long_ms=options["long_ms"],
         )
         run = ChaosRun(backend, config, out=self.stdout.write)
         try:
@@ -115,5 +136,7 @@ class Command(ReliableJobsCommand):
                    f"{len(ledger.wrong_final)} wrong final state(s), {ledger.rerun_jobs} "
                    "re-run(s) without a crash (see above and ledger-findings.txt). "
                    if ledger is not None and not ledger.clean else "")
+                + (f"{report.unclean_stops} SIGTERMed worker(s) exited non-zero or had to "
+                   "be SIGKILLed. " if report.unclean_stops else "")
                 + f"{report.leftovers} Logs: {report.log_dir}"
             )
