@@ -15,12 +15,8 @@ only an installed app may do. Types come from them under TYPE_CHECKING.
 from __future__ import annotations
 
 import logging
-import random
 import uuid
-from collections import defaultdict
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import fields, replace
-from datetime import datetime
+from collections.abc import Iterable, Sequence
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -32,39 +28,29 @@ from django.db import transaction
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
-from . import conf, payload, telemetry, unique
-from .broker import REDIS_ERRORS, Broker, NewJob, epoch_ms
+from . import conf, telemetry, unique
+from .broker import REDIS_ERRORS, Broker, NewJob
 from .compat import (
     BaseTaskBackend,
     InvalidTask,
     Task,
-    TaskError,
     TaskResult,
     TaskResultDoesNotExist,
-    TaskResultStatus,
     task_enqueued,
 )
-from .jobids import new_job_id, new_job_ids
-from .keys import is_valid_queue_name, shard_queue
+from .keys import is_valid_queue_name
+from .newjobs import Calls, NewJobsBuilder
 from .reachability import ensure_reachable
-from .results import ResultStamp, task_result
+from .results import job_result
 from .signalwatch import SignalWatch
 from .tasks import ReliableTask, lookup
 
 if TYPE_CHECKING:
-    from .mirror import NewJobs
-    from .models import Attempt, Job
+    from .mirror import NewRow, UniqueRule
+    from .models import Job
     from .staff import StaffResult
 
 logger = logging.getLogger("reliable_jobs")
-
-#: A job hash's state (see the scripts) as the mirror's JobState value; a
-#: 'finished' tombstone is a rebuilt job that succeeded.
-REDIS_TO_JOB_STATE = {"queued": "queued", "scheduled": "scheduled", "running": "running",
-                      "dead": "dead", "finished": "succeeded", "cancelled": "cancelled"}
-
-#: The status of a job just enqueued, queued or scheduled (``models.TASK_STATUS``).
-NEW_JOB_STATUS = TaskResultStatus.READY
 
 
 class ReliableJobsBackend(BaseTaskBackend):
@@ -96,7 +82,7 @@ class ReliableJobsBackend(BaseTaskBackend):
 
     @cached_property
     def _enqueued_watch(self) -> SignalWatch:
-        """Whether ``task_enqueued`` sends would be seen (enqueue_many asks once a call)."""
+        """Whether ``task_enqueued`` sends would be seen (asked once an enqueue)."""
         return SignalWatch(task_enqueued, type(self), level=logging.DEBUG)
 
     def problems(self) -> list[conf.Problem]:
@@ -146,56 +132,12 @@ class ReliableJobsBackend(BaseTaskBackend):
     ) -> TaskResult[..., Any]:
         """Write the job row now and push it to Redis when the transaction commits.
 
-        For a task with ``unique_for_ms``, an equal call's unfinished job
-        (see ``unique.py``) is returned instead of a new one.
+        The bulk enqueue of one call. For a task with ``unique_for_ms``, an
+        equal call's unfinished job (see ``unique.py``) is returned instead
+        of a new one.
         """
         with telemetry.hook.enqueue(task.queue_name, task.module_path, 1) as trace:
-            return self._enqueue(task, args, kwargs, trace)
-
-    def _enqueue(self, task: Task[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
-                 trace: str | None) -> TaskResult[..., Any]:
-        self._raise_if_misconfigured()  # first: E009 before any model import
-        self.validate_task(task)
-        ensure_reachable(task)
-        from . import mirror  # not at module level: see the module docstring
-
-        now = timezone.now()
-        max_attempts = self.task_option(task, "max_attempts")
-        if getattr(task, "unique_for_ms", None) is not None:
-            text = payload.encode(task.module_path, tuple(args), dict(kwargs),
-                                  max_bytes=self.config.MAX_PAYLOAD_BYTES, trace=trace)
-            job = mirror_job(self.alias, task, args, kwargs, max_attempts=max_attempts, now=now,
-                             shard=self._pick_shard(task.queue_name))
-            new_job = NewJob(str(job.id), text, max_attempts, due_ms=epoch_ms(task.run_after),
-                             priority=task.priority)
-            return self._enqueue_unique(task, [(job, new_job)], now=now)[0]
-        # No model instance: the row goes to the mirror as the texts the
-        # payload was made of (as in enqueue_many), the result is built directly.
-        args, kwargs = list(args), dict(kwargs)
-        text, args_json, kwargs_json = payload.encode_call(
-            task.module_path, args, kwargs, max_bytes=self.config.MAX_PAYLOAD_BYTES, trace=trace)
-        job_id = new_job_id()
-        shard = self._pick_shard(task.queue_name)
-        new = self._new_jobs(task, now=now, max_attempts=max_attempts,
-                             rows=[(job_id, shard, args_json, kwargs_json)])
-        mirror.insert_new_jobs(self.database, new)
-        physical = shard_queue(task.queue_name, shard)
-        new_job = NewJob(job_id, text, max_attempts, epoch_ms(task.run_after),
-                         priority=task.priority)
-        transaction.on_commit(lambda: self._push(physical, [new_job]), using=self.database)
-        result = task_result(task, job_id=job_id, status=NEW_JOB_STATUS, args=args,
-                             kwargs=kwargs, backend=self.alias, enqueued_at=now)
-        task_enqueued.send(type(self), task_result=result)
-        return result
-
-    def _new_jobs(self, task: Task[..., Any], *, now: datetime, max_attempts: int,
-                  rows: Iterable[tuple[str, int, str, str]]) -> NewJobs:
-        """The mirror's rows of an enqueue of ``task``: queued, or scheduled when deferred."""
-        from . import mirror  # see enqueue()
-
-        return mirror.NewJobs.at(now, backend=self.alias, queue=task.queue_name,
-                                 task_path=task.module_path, priority=task.priority,
-                                 max_attempts=max_attempts, run_after=task.run_after, rows=rows)
+            return self._enqueue(task, [(args, kwargs)], trace)[0]
 
     def enqueue_many(
         self, task: Task[..., Any], calls: Iterable[tuple[Sequence[Any], dict[str, Any]]]
@@ -203,136 +145,55 @@ class ReliableJobsBackend(BaseTaskBackend):
         """Enqueue many calls of one task: one bulk insert, one script call per 1,000.
 
         Every call is checked like ``enqueue()`` and nothing is written unless
-        all pass. The hot path builds no model instance: a call becomes a row
-        for the mirror's COPY (text made once by the payload encoder), a
-        ``NewJob`` and its ``TaskResult``.
+        all pass. The hot path builds no model instance (see ``newjobs``).
         """
         calls = list(calls)
         with telemetry.hook.enqueue(task.queue_name, task.module_path, len(calls)) as trace:
-            return self._enqueue_many(task, calls, trace)
+            return self._enqueue(task, calls, trace)
 
-    def _enqueue_many(self, task: Task[..., Any],
-                      calls: list[tuple[Sequence[Any], dict[str, Any]]],
-                      trace: str | None) -> list[TaskResult[..., Any]]:
-        self._raise_if_misconfigured()
+    def _enqueue(self, task: Task[..., Any], calls: Calls,
+                 trace: str | None) -> list[TaskResult[..., Any]]:
+        """The one enqueue: rows into the mirror, pushes on commit, results, signals."""
+        self._raise_if_misconfigured()  # first: E009 before any model import
         self.validate_task(task)
         ensure_reachable(task)
-        from . import mirror  # see enqueue()
+        from . import mirror  # not at module level: see the module docstring
 
-        now = timezone.now()
-        max_attempts = self.task_option(task, "max_attempts")
-        due_ms = epoch_ms(task.run_after)
-        if getattr(task, "unique_for_ms", None) is not None:
-            made: list[tuple[Job, NewJob]] = []
-            for args, kwargs in calls:
-                text = payload.encode(task.module_path, tuple(args), dict(kwargs),
-                                      max_bytes=self.config.MAX_PAYLOAD_BYTES, trace=trace)
-                job = mirror_job(self.alias, task, args, kwargs, max_attempts=max_attempts,
-                                 now=now, shard=self._pick_shard(task.queue_name))
-                made.append((job, NewJob(str(job.id), text, max_attempts, due_ms=due_ms,
-                                         priority=task.priority)))
-            return self._enqueue_unique(task, made, now=now)
-        encode = payload.CallEncoder(task.module_path, max_bytes=self.config.MAX_PAYLOAD_BYTES,
-                                     trace=trace)
-        by_shard: dict[str, list[NewJob]] = defaultdict(list)
-        results: list[TaskResult[..., Any]] = []
-        shards = self.config.SHARDS.get(task.queue_name, 1)
-        pushes = by_shard[shard_queue(task.queue_name, 0)]  # every job's, without shards
-        priority = task.priority
-        new = self._new_jobs(task, now=now, max_attempts=max_attempts, rows=())
-        stamp = ResultStamp(task_result(task, job_id="", status=NEW_JOB_STATUS, args=[],
-                                        kwargs={}, backend=self.alias, enqueued_at=now))
-
-        def rows() -> Iterator[tuple[str, int, str, str]]:
-            # Each call is checked, encoded and given its push and result as
-            # the COPY takes its row, so PostgreSQL works through one chunk of
-            # rows while the next is made. A call that fails its check stops
-            # the COPY, and the transaction rolls back: nothing is written.
-            ids = new_job_ids()
-            shard = 0
-            for call_args, call_kwargs in calls:
-                args, kwargs = list(call_args), dict(call_kwargs)
-                text, args_json, kwargs_json = encode(args, kwargs)
-                job_id = next(ids)
-                job = NewJob(job_id, text, max_attempts, due_ms, priority=priority)
-                if shards > 1:
-                    shard = self._pick_shard(task.queue_name)
-                    by_shard[shard_queue(task.queue_name, shard)].append(job)
-                else:
-                    pushes.append(job)
-                results.append(stamp(job_id, args, kwargs))
-                yield job_id, shard, args_json, kwargs_json
-
-        with transaction.atomic(using=self.database):
-            mirror.insert_new_jobs(self.database, replace(new, rows=rows()))
-            self._push_on_commit({queue: jobs for queue, jobs in by_shard.items() if jobs})
-        if self._enqueued_watch.observed():
-            for result in results:
+        rule = self._unique_rule(task)
+        build = NewJobsBuilder(
+            task, calls, alias=self.alias, now=timezone.now(), trace=trace,
+            max_attempts=self.task_option(task, "max_attempts"), keyed=rule is not None,
+            max_bytes=self.config.MAX_PAYLOAD_BYTES,
+            shards=self.config.SHARDS.get(task.queue_name, 1))
+        rows: Iterable[NewRow] = build.rows()
+        if rule is not None or len(calls) == 1:
+            rows = list(rows)  # every call checked (and keyed) before the first write
+        held = mirror.insert_jobs(self.database, build.new_jobs(rows), unique=rule)
+        results, fresh = build.settle(held, lambda job: job_result(job, task, backend=self.alias))
+        self._push_on_commit(build.pushes_of(fresh))
+        if fresh and self._enqueued_watch.observed():
+            for result in fresh:
                 task_enqueued.send(type(self), task_result=result)
         return results
 
-    def _enqueue_unique(self, task: Task[..., Any], made: list[tuple[Job, NewJob]], *,
-                        now: datetime) -> list[TaskResult[..., Any]]:
-        """Enqueue calls of a unique task: each gets its new job, or the unfinished equal one.
-
-        The rows and the check are in the caller's transaction, if any, so a
-        rolled-back enqueue frees the key; only jobs that were inserted are
-        pushed, on commit, and signalled.
-        """
-        from . import mirror  # see enqueue()
+    def _unique_rule(self, task: Task[..., Any]) -> UniqueRule | None:
+        """How a unique task's calls are judged (None for another task), or InvalidTask."""
+        if getattr(task, "unique_for_ms", None) is None:
+            return None
+        from .mirror import UniqueRule  # see the module docstring
 
         assert isinstance(task, ReliableTask)  # unique_for_ms is one of its options
         problem = unique.database_problem(self.database)
         if problem:
             raise InvalidTask(problem)
-        for job, _ in made:
-            job.unique_key = unique.key_for(task, self.alias, job.args, job.kwargs)
-        # No transaction of our own: inside the caller's, everything is in it;
-        # outside one, each statement commits by itself, which is enough (the
-        # index judges each INSERT, and a stale key given up stays given up),
-        # and the push follows the rows' commit.
-        holders = mirror.insert_unique_jobs(
-            self.database, [job for job, _ in made], window_ms=task.unique_for_ms or 0,
-            while_running=task.unique_while_running, now=now,
-            states_in_redis=self._states_in_redis)
-        by_shard: dict[str, list[NewJob]] = defaultdict(list)
-        for (job, new_job), holder in zip(made, holders, strict=True):
-            if holder is job:
-                by_shard[job.physical_queue].append(new_job)
-        if by_shard:
-            self._push_on_commit(by_shard)
-        results: dict[uuid.UUID, TaskResult[..., Any]] = {}
-        for (job, _), holder in zip(made, holders, strict=True):
-            if holder.pk not in results:
-                results[holder.pk] = self._result(holder, task)
-                if holder is job:
-                    task_enqueued.send(type(self), task_result=results[holder.pk])
-        return [results[holder.pk] for holder in holders]
-
-    def _states_in_redis(self, rows: Sequence[Job]) -> dict[str, str]:
-        """Each job's state as Redis has it (a JobState value), by id: ahead of its row.
-
-        A claimed job whose task has not begun is still queued: it runs after
-        the call that asks. Jobs Redis does not hold are left out, and so
-        is every job when Redis cannot answer: the rows decide then.
-        """
-        try:
-            progress = self.broker.progress([(row.physical_queue, str(row.pk)) for row in rows])
-        except REDIS_ERRORS as exc:
-            logger.warning("Redis did not say whether %d unique job(s) started (%s); their "
-                           "database rows decide.", len(rows), exc)
-            return {}
-        states = {}
-        for job_id, held in progress.items():
-            state = REDIS_TO_JOB_STATE.get(held.state)
-            if state == "running" and not held.started:
-                state = "queued"
-            if state is not None:
-                states[job_id] = state
-        return states
+        return UniqueRule(window_ms=task.unique_for_ms or 0,
+                          while_running=task.unique_while_running,
+                          states_in_redis=lambda rows: unique.states_in_redis(self.broker, rows))
 
     def _push_on_commit(self, by_shard: dict[str, list[NewJob]]) -> None:
         """Push jobs (by physical queue) once the transaction commits, 1,000 per script call."""
+        if not by_shard:
+            return
 
         def push() -> None:
             for physical, new_jobs in by_shard.items():
@@ -340,11 +201,6 @@ class ReliableJobsBackend(BaseTaskBackend):
                     self._push(physical, new_jobs[start:start + 1000])
 
         transaction.on_commit(push, using=self.database)
-
-    def _pick_shard(self, queue: str) -> int:
-        """A random shard of ``queue``: producers spread jobs, workers drain all shards."""
-        count = self.config.SHARDS.get(queue, 1)
-        return random.randrange(count) if count > 1 else 0
 
     def _push(self, queue: str, jobs: list[NewJob]) -> None:
         """Push committed jobs; if Redis is down the sweep's reconcile pushes them (G5)."""
@@ -375,7 +231,8 @@ class ReliableJobsBackend(BaseTaskBackend):
                                                         backend=self.alias)
         except (ValueError, Job.DoesNotExist):
             raise TaskResultDoesNotExist(result_id) from None
-        return self._result(job, self._task_for(job), attempts=list(job.attempt_set.all()))
+        return job_result(job, self._task_for(job), backend=self.alias,
+                          attempts=list(job.attempt_set.all()))
 
     def _task_for(self, job: Job) -> Task[..., Any]:
         task = lookup(job.task_path)
@@ -391,35 +248,6 @@ class ReliableJobsBackend(BaseTaskBackend):
                 f"Job {job.pk} names {job.task_path!r}, which is no longer a task."
             )
         return task
-
-    def _result(self, job: Job, task: Task[..., Any],
-                attempts: list[Attempt] | None = None) -> TaskResult[..., Any]:
-        from .models import FAILED_OUTCOMES
-
-        attempts = attempts or []
-        if job.queue != task.queue_name or job.run_after != task.run_after:
-            task = _as_enqueued(task, queue_name=job.queue, run_after=job.run_after)
-        result = task_result(
-            task,
-            job_id=str(job.pk),
-            status=job.task_status,
-            enqueued_at=job.enqueued_at,
-            started_at=job.started_at,
-            finished_at=job.finished_at,
-            last_attempted_at=max((a.started_at for a in attempts if a.started_at), default=None),
-            args=list(job.args),
-            kwargs=dict(job.kwargs),
-            backend=self.alias,
-            errors=[
-                TaskError(exception_class_path=a.exception_class_path or "builtins.Exception",
-                          traceback=a.traceback or a.error)
-                for a in attempts if a.outcome in FAILED_OUTCOMES
-            ],
-            worker_ids=[a.worker_id for a in attempts],
-        )
-        if result.status == TaskResultStatus.SUCCESSFUL:
-            object.__setattr__(result, "_return_value", job.return_value)
-        return result
 
     # -- cancel ------------------------------------------------------------
 
@@ -448,37 +276,3 @@ class ReliableJobsBackend(BaseTaskBackend):
         from .checks import check_backend  # see the module docstring
 
         return check_backend(self)
-
-
-
-
-def mirror_job(alias: str, task: Task[..., Any], args: Sequence[Any], kwargs: dict[str, Any], *,
-               max_attempts: int, now: datetime, shard: int = 0) -> Job:
-    """Build (unsaved) the Job row for one enqueue."""
-    from .models import Job, JobState
-
-    deferred = task.run_after is not None and task.run_after > now
-    return Job(
-        id=uuid.UUID(new_job_id()), backend=alias, queue=task.queue_name, shard=shard,
-        task_path=task.module_path,
-        args=list(args), kwargs=dict(kwargs), priority=task.priority,
-        state=JobState.SCHEDULED if deferred else JobState.QUEUED,
-        max_attempts=max_attempts, run_after=task.run_after, enqueued_at=now, updated_at=now,
-    )
-
-
-def _as_enqueued(task: Task[..., Any], *, queue_name: str,
-                 run_after: datetime | None) -> Task[..., Any]:
-    """Return ``task`` with the queue and run_after a job was enqueued with.
-
-    Not ``task.using()``: that validates against today's settings, so the
-    result of a job on a queue since removed from QUEUES could not be read,
-    and it cannot set run_after back to None. A stored job is history, not a
-    new request, so the copy is made without validating or registering it.
-    """
-    copy = object.__new__(type(task))
-    for f in fields(task):
-        object.__setattr__(copy, f.name, getattr(task, f.name))
-    object.__setattr__(copy, "queue_name", queue_name)
-    object.__setattr__(copy, "run_after", run_after)
-    return copy

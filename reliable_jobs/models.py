@@ -88,7 +88,7 @@ class Job(models.Model):
     #: Only unfinished jobs hold their key (the rj_job_unique_key index), so a
     #: job that ends frees it by the same write that ends it; the key stays
     #: on the row as history. NULL, not "", for a job without one: the plain
-    #: INSERT (mirror.postgres.INSERT_JOB) leaves the column out, and NULLs never clash.
+    #: INSERT and the COPY of new jobs leave the column out, and NULLs never clash.
     unique_key = models.CharField(  # noqa: DJ001 - NULL means "no key", see above
         _("unique key"), max_length=64, null=True, blank=True, editable=False)
 

@@ -156,36 +156,10 @@ def encode(task_path: str, args: tuple[Any, ...] | list[Any], kwargs: dict[str, 
     """Check the task path and the arguments; return the payload text written to Redis.
 
     ``trace``, the enqueuer's traceparent (see tracing.py), is stored only
-    when it is a well-formed one; the field is left out otherwise.
+    when it is a well-formed one; the field is left out otherwise. One call
+    of the one encoder, :class:`CallEncoder`.
     """
-    return encode_call(task_path, args, kwargs, max_bytes=max_bytes, trace=trace)[0]
-
-
-def encode_call(task_path: str, args: tuple[Any, ...] | list[Any], kwargs: dict[str, Any],
-                *, max_bytes: int, trace: str | None = None) -> tuple[str, str, str]:
-    """:func:`encode`, returning (payload, args JSON, kwargs JSON).
-
-    The payload is joined from the two argument texts (the same text as
-    encoding the whole object: the encoder writes each member as it would
-    alone), so the mirror's ``args`` and ``kwargs`` columns take them as
-    they are instead of encoding the arguments a second time.
-    """
-    if not is_task_path(task_path):
-        raise InvalidTask(
-            f"The task path {_shorten(task_path)} is not a dotted Python path of at most "
-            f"{MAX_TASK_PATH} characters, so no worker could run it."
-        )
-    if not args and not kwargs:  # a call without arguments: nothing to check
-        args_json, kwargs_json = "[]", "{}"
-    else:
-        check_call(args, kwargs)
-        args_json, kwargs_json = _encoder.encode(list(args)), _encoder.encode(kwargs)
-    tail = (',"trace":' + _encoder.encode(trace)
-            if trace is not None and is_traceparent(trace) else "")
-    text = (f'{{"task":{_encoder.encode(task_path)},"args":{args_json},'
-            f'"kwargs":{kwargs_json}{tail}}}')
-    _check_size(text, max_bytes)
-    return text, args_json, kwargs_json
+    return CallEncoder(task_path, max_bytes=max_bytes, trace=trace)(args, kwargs)[0]
 
 
 def _check_size(text: str, max_bytes: int) -> None:
@@ -202,23 +176,29 @@ def _check_size(text: str, max_bytes: int) -> None:
 
 
 class CallEncoder:
-    """:func:`encode` for many calls of one task, as a bulk enqueue makes them.
+    """The payload encoder: the calls of one task, as an enqueue makes them.
 
     The task path is checked once; each call's arguments are checked and
-    encoded once, and their JSON texts are returned beside the payload (which
-    is built from them, the same text :func:`encode` writes) so the mirror's
-    ``args`` and ``kwargs`` columns need no second encoding.
+    encoded once, and their JSON texts are returned beside the payload (the
+    payload is joined from them: the encoder writes each member as it would
+    alone) so the mirror's ``args`` and ``kwargs`` columns take them as they
+    are instead of encoding the arguments a second time.
     """
 
     def __init__(self, task_path: str, *, max_bytes: int, trace: str | None = None) -> None:
-        encode(task_path, (), {}, max_bytes=max_bytes)  # the path's checks and errors
+        if not is_task_path(task_path):
+            raise InvalidTask(
+                f"The task path {_shorten(task_path)} is not a dotted Python path of at most "
+                f"{MAX_TASK_PATH} characters, so no worker could run it."
+            )
         self._head = '{"task":' + _encoder.encode(task_path) + ',"args":'
         #: The trace field every payload of the batch carries, or nothing (see encode()).
         self._tail = (',"trace":' + _encoder.encode(trace)
                       if trace is not None and is_traceparent(trace) else "") + "}"
         self._max_bytes = max_bytes
 
-    def __call__(self, args: list[Any], kwargs: dict[str, Any]) -> tuple[str, str, str]:
+    def __call__(self, args: tuple[Any, ...] | list[Any],
+                 kwargs: dict[str, Any]) -> tuple[str, str, str]:
         """Return (payload, args JSON, kwargs JSON), or raise like :func:`encode`."""
         if not args and not kwargs:  # a call without arguments: nothing to check
             args_json, kwargs_json = "[]", "{}"

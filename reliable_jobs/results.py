@@ -15,12 +15,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import fields
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .compat import Task, TaskError, TaskResult, TaskResultStatus, normalize_json
 from .exceptions import JobCancelled, class_path
 
 JOB_CANCELLED = class_path(JobCancelled)
+
+if TYPE_CHECKING:
+    from .models import Attempt, Job
 
 
 def task_result(task: Task[..., Any], *, job_id: str, status: TaskResultStatus,
@@ -55,6 +58,49 @@ def attempt_result(task: Task[..., Any], *, job_id: str, queue: str, args: list[
         last_attempted_at=started_at, args=args, kwargs=kwargs, backend=backend,
         worker_ids=[worker_id] * attempt,
     )
+
+
+def job_result(job: Job, task: Task[..., Any], *, backend: str,
+               attempts: Sequence[Attempt] = ()) -> TaskResult[..., Any]:
+    """The ``TaskResult`` of a mirror row: its state, times and arguments, its attempts' errors.
+
+    ``task`` is the task as it is now; the result carries the queue and
+    run_after the job was enqueued with.
+    """
+    from .models import FAILED_OUTCOMES  # not at module level: see backend's docstring
+
+    if job.queue != task.queue_name or job.run_after != task.run_after:
+        task = _as_enqueued(task, queue_name=job.queue, run_after=job.run_after)
+    result = task_result(
+        task, job_id=str(job.pk), status=job.task_status, enqueued_at=job.enqueued_at,
+        started_at=job.started_at, finished_at=job.finished_at,
+        last_attempted_at=max((a.started_at for a in attempts if a.started_at), default=None),
+        args=list(job.args), kwargs=dict(job.kwargs), backend=backend,
+        errors=[TaskError(exception_class_path=a.exception_class_path or "builtins.Exception",
+                          traceback=a.traceback or a.error)
+                for a in attempts if a.outcome in FAILED_OUTCOMES],
+        worker_ids=[a.worker_id for a in attempts],
+    )
+    if result.status == TaskResultStatus.SUCCESSFUL:
+        object.__setattr__(result, "_return_value", job.return_value)
+    return result
+
+
+def _as_enqueued(task: Task[..., Any], *, queue_name: str,
+                 run_after: datetime | None) -> Task[..., Any]:
+    """Return ``task`` with the queue and run_after a job was enqueued with.
+
+    Not ``task.using()``: that validates against today's settings, so the
+    result of a job on a queue since removed from QUEUES could not be read,
+    and it cannot set run_after back to None. A stored job is history, not a
+    new request, so the copy is made without validating or registering it.
+    """
+    copy = object.__new__(type(task))
+    for f in fields(task):
+        object.__setattr__(copy, f.name, getattr(task, f.name))
+    object.__setattr__(copy, "queue_name", queue_name)
+    object.__setattr__(copy, "run_after", run_after)
+    return copy
 
 
 # An attempt's result is finished by one of the three functions below, one

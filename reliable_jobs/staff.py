@@ -27,7 +27,7 @@ from django.utils import timezone
 from . import mirror
 from .broker import REDIS_ERRORS, NewJob
 from .models import Job, JobState
-from .sweep import TOMBSTONES, push_rebuilt, rebuilt_job
+from .sweep import TOMBSTONES, push_rebuilt
 from .tasks import discover, lookup
 
 if TYPE_CHECKING:
@@ -226,8 +226,8 @@ def fresh_budget(backend: ReliableJobsBackend, job: Job) -> int:
 
 
 def _rebuilt(job: Job, *, max_attempts: int) -> NewJob:
-    """The Redis job for a row, due now, attempts kept (see sweep.rebuilt_job)."""
-    return rebuilt_job(job, max_attempts=max_attempts, max_bytes=REBUILD_MAX_BYTES)
+    """The Redis job for a row, due now, attempts kept (see mirror.rebuilt_job)."""
+    return mirror.rebuilt_job(job, max_attempts=max_attempts, max_bytes=REBUILD_MAX_BYTES)
 
 
 def _push(backend: ReliableJobsBackend, job: Job, rebuild: NewJob, verb: str

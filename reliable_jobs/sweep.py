@@ -9,7 +9,6 @@ are atomic scripts and reconcile's push skips jobs Redis already holds.
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 from collections import defaultdict
@@ -21,7 +20,7 @@ from typing import TYPE_CHECKING
 from django.db import DatabaseError, InterfaceError, connections, transaction
 from django.utils import timezone
 
-from . import mirror, payload, telemetry
+from . import mirror, telemetry
 from .broker import (
     REDIS_ERRORS,
     SCRIPT_ERRORS,
@@ -84,22 +83,6 @@ class SweepReport:
 
     def __str__(self) -> str:
         return ", ".join(f"{f.name} {getattr(self, f.name)}" for f in fields(self))
-
-
-def rebuilt_job(row: Job, *, max_attempts: int, due_ms: int = 0,
-                max_bytes: int = sys.maxsize) -> NewJob:
-    """The Redis job for a mirror row, its attempts kept: how a lost job comes back.
-
-    Reconcile rebuilds what Redis lost; a staff retry rebuilds a dead job
-    Redis no longer holds. The caller has locked the row and given it its
-    next generation (mirror.next_generation), so no token from before the
-    rebuild matches. The row was accepted when it was enqueued, so the
-    current MAX_PAYLOAD_BYTES is not applied again. The row's priority
-    comes back with it (staff changes of it are mirrored onto the row).
-    """
-    text = payload.encode(row.task_path, tuple(row.args), dict(row.kwargs), max_bytes=max_bytes)
-    return NewJob(str(row.pk), text, max_attempts, due_ms=due_ms, attempts=row.attempts,
-                  gen=row.generation, priority=row.priority)
 
 
 def push_rebuilt(broker: Broker, database: str, queue: str, jobs: list[NewJob], *,
@@ -436,7 +419,7 @@ class Sweep:
                     buried += 1
             now = timezone.now()
             mirror.next_generation(database, lost_rows)
-            lost = [rebuilt_job(row, max_attempts=row.max_attempts,
+            lost = [mirror.rebuilt_job(row, max_attempts=row.max_attempts,
                                 due_ms=epoch_ms(row.run_after) if row.run_after
                                 and row.run_after > now else 0)
                     for row in lost_rows]

@@ -6,7 +6,7 @@ the function's signature so ``f(1)`` and ``f(x=1)`` agree; or only the
 arguments ``unique_by`` names; or whatever ``unique_by`` returns when it is
 a function). The key only names the call: the database decides who holds
 it (a partial unique index over the keys of unfinished jobs, see
-``models.Job`` and ``mirror.insert_unique_jobs``), Redis says whether the
+``models.Job`` and ``mirror.insert_jobs``), Redis says whether the
 holder's task started or ended (its rows learn it later), and Redis holds
 nothing about the key itself.
 """
@@ -16,14 +16,24 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import logging
 from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
+from .broker import REDIS_ERRORS, Broker
 from .compat import InvalidTask
 
 if TYPE_CHECKING:
+    from .models import Job
     from .tasks import ReliableTask
+
+logger = logging.getLogger("reliable_jobs")
+
+#: A job hash's state (see the scripts) as the mirror's JobState value; a
+#: 'finished' tombstone is a rebuilt job that succeeded.
+REDIS_TO_JOB_STATE = {"queued": "queued", "scheduled": "scheduled", "running": "running",
+                      "dead": "dead", "finished": "succeeded", "cancelled": "cancelled"}
 
 #: What ``unique_by`` may be: a function of the call's arguments, or argument names.
 UniqueBy = Callable[..., Any] | Sequence[str]
@@ -75,6 +85,29 @@ def database_problem(database: str) -> str | None:
     return (f"Database {database!r} ({connection.vendor}) has no partial unique indexes, "
             "which unique jobs (unique_for_ms) rely on: use PostgreSQL or SQLite for the "
             "job mirror, or drop unique_for_ms.")
+
+
+def states_in_redis(broker: Broker, rows: Sequence[Job]) -> dict[str, str]:
+    """Each key holder's state as Redis has it (a JobState value), by id: ahead of its row.
+
+    A claimed job whose task has not begun is still queued: it runs after
+    the call that asks. Jobs Redis does not hold are left out, and so is
+    every job when Redis cannot answer: the rows decide then.
+    """
+    try:
+        progress = broker.progress([(row.physical_queue, str(row.pk)) for row in rows])
+    except REDIS_ERRORS as exc:
+        logger.warning("Redis did not say whether %d unique job(s) started (%s); their "
+                       "database rows decide.", len(rows), exc)
+        return {}
+    states = {}
+    for job_id, held in progress.items():
+        state = REDIS_TO_JOB_STATE.get(held.state)
+        if state == "running" and not held.started:
+            state = "queued"
+        if state is not None:
+            states[job_id] = state
+    return states
 
 
 def key_for(task: ReliableTask, alias: str, args: Sequence[Any], kwargs: dict[str, Any]) -> str:

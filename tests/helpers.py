@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -23,11 +24,31 @@ from django.db import connections
 from django.db.backends.signals import connection_created
 from django.utils import timezone
 
+from reliable_jobs import mirror
 from reliable_jobs.broker import Broker
 from reliable_jobs.compat import task_backends
+from reliable_jobs.jobids import new_job_id
 from reliable_jobs.models import Job
 from reliable_jobs.periodic import Cron, Every
 from reliable_jobs.worker import Worker
+
+
+def insert_row(*, task_path: str, queue: str = "default", backend: str = "default",
+               shard: int = 0, enqueued_at: datetime | None = None,
+               run_after: datetime | None = None, state: str | None = None,
+               max_attempts: int = 3, database: str = "default") -> str:
+    """Insert one job's row as an enqueue does (mirror.insert_jobs), nothing pushed; its id.
+
+    ``state`` overrides the queued-or-scheduled rule (a row as a test needs it).
+    """
+    new = mirror.NewJobs.at(enqueued_at or timezone.now(), backend=backend, queue=queue,
+                            task_path=task_path, priority=0, max_attempts=max_attempts,
+                            run_after=run_after, rows=[(job_id := new_job_id(), shard, "[]",
+                                                         "{}", None)])
+    if state is not None:
+        new = replace(new, state=state)
+    mirror.insert_jobs(database, new)
+    return job_id
 
 
 def backdate(*job_ids: str) -> None:

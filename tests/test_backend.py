@@ -24,7 +24,7 @@ from django.db.models import F
 from django.utils import timezone
 
 from reliable_jobs import payload
-from reliable_jobs.backend import NEW_JOB_STATUS, ReliableJobsBackend
+from reliable_jobs.backend import ReliableJobsBackend
 from reliable_jobs.compat import (
     TASKS_LOGGER,
     InvalidTask,
@@ -38,6 +38,7 @@ from reliable_jobs.compat import (
 )
 from reliable_jobs.exceptions import InvalidJobArguments, PayloadTooLarge
 from reliable_jobs.models import TASK_STATUS, Attempt, AttemptOutcome, Job, JobState
+from reliable_jobs.newjobs import NEW_JOB_STATUS
 from reliable_jobs.sweep import Sweep
 from tests import tasks as test_tasks
 

@@ -14,14 +14,14 @@ from django.core.management import CommandError, call_command
 from django.test import Client
 from django.utils import timezone
 
-from reliable_jobs import dashboard, mirror, payload
-from reliable_jobs.backend import ReliableJobsBackend, mirror_job
+from reliable_jobs import dashboard, payload
+from reliable_jobs.backend import ReliableJobsBackend
 from reliable_jobs.broker import NewJob
 from reliable_jobs.keys import QueueKeys, shard_queue
 from reliable_jobs.models import Attempt, AttemptOutcome, Job, JobState
 from testproject.demo import tasks as demo
 
-from .helpers import Processes, wait_until
+from .helpers import Processes, insert_row, wait_until
 from .test_admin import (
     CHANGELIST,
     configured_backend,
@@ -132,14 +132,13 @@ def enqueue_on_shard(backend: ReliableJobsBackend, queue: str, shard: int,
                      run_after: Any = None) -> str:
     """Enqueue ``demo.noop`` on one chosen shard, as ``backend.enqueue`` does on a random one."""
     task = demo.noop.using(queue_name=queue, run_after=run_after)
-    job = mirror_job(backend.alias, task, (), {}, max_attempts=3, now=timezone.now(),
-                     shard=shard)
-    mirror.insert_job(backend.database, job)
+    job_id = insert_row(task_path=task.module_path, queue=queue, backend=backend.alias,
+                        shard=shard, run_after=run_after, database=backend.database)
     text = payload.encode(task.module_path, (), {}, max_bytes=backend.config.MAX_PAYLOAD_BYTES)
     due_ms = int(run_after.timestamp() * 1000) if run_after else 0
     assert backend.broker.enqueue(shard_queue(queue, shard),
-                                  [NewJob(str(job.id), text, 3, due_ms=due_ms)]) == 1
-    return str(job.id)
+                                  [NewJob(job_id, text, 3, due_ms=due_ms)]) == 1
+    return job_id
 
 
 def test_a_sharded_queue_counts_every_shard_on_one_line(

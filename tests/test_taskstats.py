@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from io import StringIO
@@ -24,6 +23,7 @@ from reliable_jobs import mirror, taskstats
 from reliable_jobs.mirror import AttemptRecord
 from reliable_jobs.models import AttemptOutcome, Job, JobState
 
+from .helpers import insert_row
 from .test_admin import staff_client
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -36,11 +36,8 @@ MS = timedelta(milliseconds=1)
 
 def new_job(task: str, enqueued: datetime, *, run_after: datetime | None = None,
             backend: str = "default") -> str:
-    job_id = str(uuid.uuid4())
-    mirror.insert_job("default", Job(
-        id=job_id, backend=backend, queue="default", task_path=task, state=JobState.QUEUED,
-        max_attempts=3, run_after=run_after, enqueued_at=enqueued, updated_at=timezone.now()))
-    return job_id
+    return insert_row(task_path=task, backend=backend, enqueued_at=enqueued,
+                      run_after=run_after, state=JobState.QUEUED)
 
 
 def attempt(job_id: str, number: int, started: datetime, *, ran_ms: int | None,

@@ -40,7 +40,7 @@ A unique job's key (``Job.unique_key``) counts only while the row is
 unfinished (the partial index rj_job_unique_key), so every write here that
 ends a job frees its key with the same UPDATE, at no extra cost; the one
 write that makes a finished job unfinished again (:func:`mark_queued_again`)
-clears the key first, and :func:`insert_unique_jobs` is the only reader.
+clears the key first, and :func:`insert_jobs` (its unique path) is the only reader.
 
 Worker writes arrive in batches (one transaction per batch); a failed batch
 is retried by the caller, never dropped, and the Redis ack waits for it.
@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -82,6 +83,7 @@ from .reconcile import (
     lock_recent_cancels,
     lock_unfinished,
     next_generation,
+    rebuilt_job,
     reconcile_candidates,
 )
 from .records import (
@@ -94,20 +96,22 @@ from .records import (
     TERMINAL_STATES,
     AttemptRecord,
     NewJobs,
+    NewRow,
     cancelled_record,
     expired_record,
     make_storable,
+    new_state,
 )
 
 __all__ = [
     "ABANDONED_ERROR", "CANCELLED_ERROR", "FINISHED_STATES", "LOCKED_ELSEWHERE", "LOSS_OUTCOMES",
-    "MAX_ATTEMPT", "RAN_OUTCOMES", "TERMINAL_STATES", "AttemptRecord", "NewJobs", "RowState",
-    "bury", "cancelled_record", "delete_jobs", "existing", "expired_record",
-    "follow_held_generation", "grace_cutoff", "insert_job",
-    "insert_new_jobs", "insert_unique_jobs", "lock_for_recovery", "lock_job", "lock_prunable",
-    "lock_recent_cancels",
+    "MAX_ATTEMPT", "RAN_OUTCOMES", "TERMINAL_STATES", "AttemptRecord", "NewJobs", "NewRow",
+    "RowState", "UniqueRule", "bury", "cancelled_record", "delete_jobs", "existing",
+    "expired_record", "follow_held_generation", "grace_cutoff", "insert_jobs",
+    "lock_for_recovery", "lock_job", "lock_prunable", "lock_recent_cancels",
     "lock_unfinished", "mark_cancelled", "mark_priority", "mark_queued_again", "mark_rebuilt",
-    "next_generation", "raise_budgets", "reconcile_candidates", "record",
+    "new_state", "next_generation", "raise_budgets", "rebuilt_job", "reconcile_candidates",
+    "record",
 ]
 
 
@@ -118,89 +122,103 @@ def _on_postgresql(using: str) -> bool:
 # -- new jobs -------------------------------------------------------------
 
 
-def insert_job(using: str, job: Job) -> None:
-    """Insert a new job row (inside the caller's transaction, if any)."""
-    if _on_postgresql(using):
-        postgres.insert_job(connections[using], job)
-    else:
-        portable.insert_job(using, job)
-
-
-def insert_new_jobs(using: str, new: NewJobs) -> None:
-    """Insert the rows of one enqueue, inside the caller's transaction, if any.
-
-    On PostgreSQL one row (``rows`` a list of one) with one INSERT, more with
-    one COPY; elsewhere with ``bulk_create``.
-    """
-    if not _on_postgresql(using):
-        portable.insert_new_jobs(using, new)
-    elif isinstance(new.rows, list) and len(new.rows) == 1:
-        postgres.insert_new_job(connections[using], new)
-    else:
-        postgres.insert_new_jobs(connections[using], new)
-
-
-#: Rounds of insert, look-up and release insert_unique_jobs makes before it
-#: gives up: each round ends with every job inserted or its key's holder
+#: Rounds of insert, look-up and release a keyed insert makes before it
+#: gives up: each round ends with every row inserted or its key's holder
 #: found, unless a holder finished or went stale in between; two suffice
 #: unless the rows keep changing under it.
 _UNIQUE_ROUNDS = 5
 
 
-#: Asked by insert_unique_jobs about the rows that hold keys: each one's
-#: state as Redis has it now (a JobState value), by job id; a job Redis
-#: does not hold is left out.
+#: Asked about the rows that hold keys: each one's state as Redis has it now
+#: (a JobState value), by job id; a job Redis does not hold is left out.
 StatesInRedis = Callable[[Sequence[Job]], Mapping[str, str]]
 
 
-def insert_unique_jobs(using: str, jobs: Sequence[Job], *, window_ms: int,
-                       while_running: bool, now: datetime,
-                       states_in_redis: StatesInRedis) -> list[Job]:
-    """Insert each job unless an unfinished job holds its ``unique_key``.
-
-    Returns, per job in order, the job that holds its key: the job itself
-    when it was inserted, the earlier job otherwise (an earlier one of
-    ``jobs`` with the same key counts too). Runs in the caller's
-    transaction, if any (each statement commits by itself otherwise): the
-    rj_job_unique_key index is the judge, so of two transactions inserting
-    one key the second waits for the first, and takes the key itself if the
-    first rolls back.
+@dataclass(frozen=True, slots=True)
+class UniqueRule:
+    """When an unfinished job's unique key keeps an equal call from inserting its own.
 
     A holder counts while it is queued or scheduled (running too with
     ``while_running``) and its window lasts: ``window_ms`` from its enqueue,
     or from its run_after when that is later. Its state is Redis's
     (``states_in_redis``), which runs ahead of the row: a worker's start and
     finish records reach the database batched, so a row still says queued
-    while its task runs, or after it ended. One that no longer counts
-    gives its key up here (the row keeps its state; the caller's
-    transaction holds its lock until it ends), and the job is inserted in
-    its place.
+    while its task runs, or after it ended.
     """
-    firsts: dict[str, Job] = {}
-    for job in jobs:
-        if not job.unique_key:
-            raise ValueError(f"Job {job.pk} has no unique_key.")
-        firsts.setdefault(job.unique_key, job)
+
+    window_ms: int
+    while_running: bool
+    states_in_redis: StatesInRedis
+
+
+def insert_jobs(using: str, new: NewJobs, *, unique: UniqueRule | None = None) -> dict[str, Job]:
+    """Insert the rows of one enqueue, in the caller's transaction if any: every new job's way in.
+
+    The statement is picked here. With ``unique``, each row whose key no
+    other unfinished job holds, by INSERT ... ON CONFLICT (see
+    :func:`_insert_unique`); returns the holders of the other rows' keys,
+    by key. Otherwise (returning nothing): on PostgreSQL one row (``rows`` a
+    list of one) by one INSERT that commits by itself outside a
+    transaction, more by one COPY; elsewhere with ``bulk_create``. Many rows
+    go in a transaction (a savepoint inside the caller's) so a row that
+    fails as it is made, its call refused, leaves nothing written.
+    """
+    if unique is not None:
+        return _insert_unique(using, new, unique)
+    if isinstance(new.rows, list) and len(new.rows) == 1:
+        if _on_postgresql(using):
+            postgres.insert_one(connections[using], new)
+        else:
+            portable.insert_jobs(using, new)
+        return {}
+    with transaction.atomic(using=using):
+        if _on_postgresql(using):
+            postgres.copy_jobs(connections[using], new)
+        else:
+            portable.insert_jobs(using, new)
+    return {}
+
+
+def _insert_unique(using: str, new: NewJobs, rule: UniqueRule) -> dict[str, Job]:
+    """Insert each row unless an unfinished job holds its unique key; the holders by key.
+
+    A key absent from the answer was taken by the first of the rows that
+    carry it, which was inserted. No transaction of its own: in the
+    caller's, if any, everything is in it; outside one each statement
+    commits by itself, which is enough (the rj_job_unique_key index judges
+    each INSERT, and a stale key given up stays given up). Of two
+    transactions inserting one key the second waits for the first, and
+    takes the key itself if the first rolls back. A holder that no longer
+    counts (:class:`UniqueRule`) gives its key up here (the row keeps its
+    state; the caller's transaction holds its lock until it ends), and the
+    row is inserted in its place.
+    """
+    firsts: dict[str, NewRow] = {}
+    for row in new.rows:
+        if not row[4]:
+            raise ValueError(f"Job {row[0]} has no unique key.")
+        firsts.setdefault(row[4], row)
     holders: dict[str, Job] = {}
     pending = list(firsts.values())
-    window = timedelta(milliseconds=window_ms)
+    now, window = new.enqueued_at, timedelta(milliseconds=rule.window_ms)
     for _ in range(_UNIQUE_ROUNDS):
-        inserted = _insert_ignoring_conflicts(using, pending)
-        holders.update((str(job.unique_key), job) for job in pending if job.pk in inserted)
-        taken = [job for job in pending if job.pk not in inserted]
+        inserted = _insert_keyed(using, replace(new, rows=pending))
+        taken = [row for row in pending if row[0] not in inserted]
         if not taken:
             break
-        found = _key_holders(using, [str(job.unique_key) for job in taken])
-        states = _states_now(using, found, window, while_running, now, states_in_redis)
+        found = _key_holders(using, [str(row[4]) for row in taken])
+        states = _states_now(using, found, window, rule.while_running, now,
+                             rule.states_in_redis)
         pending, stale = [], []
-        for job in taken:
-            row = found.get(str(job.unique_key))
-            if row is not None and _holds_key(row, states[row.pk], window, while_running, now):
-                holders[str(job.unique_key)] = row
+        for row in taken:
+            holder = found.get(str(row[4]))
+            if holder is not None and _holds_key(holder, states[holder.pk], window,
+                                                 rule.while_running, now):
+                holders[str(row[4])] = holder
                 continue
-            if row is not None:
-                stale.append(row.pk)
-            pending.append(job)  # the holder finished in between, or is stale: try again
+            if holder is not None:
+                stale.append(holder.pk)
+            pending.append(row)  # the holder finished in between, or is stale: try again
         _release_keys(using, stale)
         if not pending:
             break
@@ -208,14 +226,14 @@ def insert_unique_jobs(using: str, jobs: Sequence[Job], *, window_ms: int,
         raise RuntimeError(
             f"Could not settle the unique keys of {len(pending)} job(s) in {_UNIQUE_ROUNDS} "
             "rounds: their holders kept changing. Enqueue them again.")
-    return [holders[str(job.unique_key)] for job in jobs]
+    return holders
 
 
-def _insert_ignoring_conflicts(using: str, jobs: Sequence[Job]) -> set[uuid.UUID]:
-    """Insert those of ``jobs`` whose unique key is free; return the ids inserted."""
+def _insert_keyed(using: str, new: NewJobs) -> set[str]:
+    """Insert those rows of ``new`` whose unique key is free; return the ids inserted."""
     if _on_postgresql(using):
-        return postgres.insert_ignoring_conflicts(connections[using], jobs)
-    return portable.insert_ignoring_conflicts(using, jobs)
+        return postgres.insert_keyed(connections[using], new)
+    return portable.insert_keyed(using, new)
 
 
 def _key_holders(using: str, keys: Sequence[str]) -> dict[str, Job]:
@@ -318,8 +336,7 @@ def mark_rebuilt(using: str, rows: Sequence[Job], *, now: datetime) -> None:
     for row in rows:
         Job.objects.using(using).filter(pk=row.pk).update(
             generation=row.generation, attempts=row.attempts, updated_at=now,
-            state=JobState.SCHEDULED if row.run_after and row.run_after > now
-            else JobState.QUEUED)
+            state=new_state(row.run_after, now))
 
 
 def follow_held_generation(using: str, job_id: Any, *, committed: int, held: int) -> bool:

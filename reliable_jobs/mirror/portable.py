@@ -30,26 +30,23 @@ from .records import (
     TERMINAL_STATES,
     AttemptRecord,
     NewJobs,
+    NewRow,
     chunks,
     mark_cancelled_attempts,
 )
 
 
-def insert_job(using: str, job: Job) -> None:
-    """``Model.save()``, in the caller's transaction."""
-    job.save(using=using, force_insert=True)
+def _job(new: NewJobs, row: NewRow) -> Job:
+    """One row of ``new`` as a model instance (the clocks: the producer's)."""
+    job_id, shard, args, kwargs, key = row
+    return Job(id=uuid.UUID(job_id), shard=shard, args=json.loads(args),
+               kwargs=json.loads(kwargs), unique_key=key, enqueued_at=new.enqueued_at,
+               updated_at=new.enqueued_at, **dict(new.shared()))
 
 
-def insert_new_jobs(using: str, new: NewJobs) -> None:
-    """``bulk_create`` of the rows of one bulk enqueue."""
-    Job.objects.using(using).bulk_create([
-        Job(id=uuid.UUID(job_id), backend=new.backend, queue=new.queue, shard=shard,
-            task_path=new.task_path, args=json.loads(args), kwargs=json.loads(kwargs),
-            priority=new.priority, state=new.state, max_attempts=new.max_attempts,
-            run_after=new.run_after, enqueued_at=new.enqueued_at,
-            updated_at=new.enqueued_at)
-        for job_id, shard, args, kwargs in new.rows
-    ], batch_size=1000)
+def insert_jobs(using: str, new: NewJobs) -> None:
+    """``bulk_create`` of the rows of one enqueue."""
+    Job.objects.using(using).bulk_create([_job(new, row) for row in new.rows], batch_size=1000)
 
 
 def key_holders(using: str, keys: Sequence[str]) -> Iterable[Job]:
@@ -58,19 +55,20 @@ def key_holders(using: str, keys: Sequence[str]) -> Iterable[Job]:
         unique_key__in=chunk, state__in=UNFINISHED_STATES).order_by())
 
 
-def insert_ignoring_conflicts(using: str, jobs: Sequence[Job]) -> set[uuid.UUID]:
-    """One savepoint per row, a unique violation rolled back to it; the ids inserted.
+def insert_keyed(using: str, new: NewJobs) -> set[str]:
+    """Insert the rows whose unique key is free; the ids inserted.
 
-    Works on every database Django supports.
+    One savepoint per row, a unique violation rolled back to it: works on
+    every database Django supports.
     """
-    inserted: set[uuid.UUID] = set()
-    for job in jobs:
+    inserted: set[str] = set()
+    for row in new.rows:
         try:
             with transaction.atomic(using=using):
-                job.save(using=using, force_insert=True)
+                _job(new, row).save(using=using, force_insert=True)
         except IntegrityError:
             continue
-        inserted.add(job.pk)
+        inserted.add(row[0])
     return inserted
 
 

@@ -16,7 +16,6 @@ statements themselves.
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from functools import cached_property, lru_cache
@@ -34,17 +33,12 @@ from .records import (
     RAN_OUTCOMES,
     AttemptRecord,
     NewJobs,
+    NewRow,
     chunks,
     mark_cancelled_attempts,
 )
 
 # -- new jobs -------------------------------------------------------------
-
-#: Columns the single INSERT writes for a new job from parameters (the rest
-#: keep their defaults, NULL or 0, but ``updated_at``: see INSERT_JOB).
-COPY_COLUMNS = ("id", "backend", "queue", "shard", "task_path", "args", "kwargs", "priority",
-                "state", "attempts", "generation", "max_attempts", "run_after", "enqueued_at",
-                "last_error")
 
 #: ``updated_at`` as every INSERT and UPDATE here writes it: the database's
 #: clock (G4), the one reconcile's grace period is measured on
@@ -52,31 +46,63 @@ COPY_COLUMNS = ("id", "backend", "queue", "shard", "task_path", "args", "kwargs"
 #: the COPY of a bulk enqueue cannot: it writes the producer's clock.
 DATABASE_NOW = "statement_timestamp()"
 
-#: One new job, prepared once: building it with ``Model.save()`` cost about
-#: as much Python as the round trip itself.
-INSERT_JOB = (f"INSERT INTO {Job._meta.db_table} ({', '.join(COPY_COLUMNS)}, updated_at) "
-              f"VALUES ({', '.join(['%s'] * len(COPY_COLUMNS))}, {DATABASE_NOW})")
+#: A new job's own columns as the INSERTs take them, NewRow's order then its
+#: enqueue time; the rest are NewJobs.shared() and ``updated_at``.
+OWN_COLUMNS = ("id", "shard", "args", "kwargs", "unique_key", "enqueued_at")
+#: Rows per INSERT of unique jobs (six parameters each).
+UNIQUE_BATCH = 500
 
 
-def row_values(job: Job) -> tuple[Any, ...]:
-    """A new job's values in COPY_COLUMNS order (JSON columns as JSON text)."""
-    return (job.id, job.backend, job.queue, job.shard, job.task_path,
-            json.dumps(job.args), json.dumps(job.kwargs), job.priority, job.state,
-            job.attempts, job.generation, job.max_attempts, job.run_after, job.enqueued_at,
-            job.last_error)
+@lru_cache(maxsize=256)
+def insert_sql(shared: tuple[tuple[str, Any], ...], rows: int, *, keyed: bool) -> str:
+    """The INSERT of ``rows`` new jobs that share ``shared`` (NewJobs.shared()).
+
+    The shared values are SQL literals (quoted by psycopg), so each row sends
+    six parameters, five without a key: each parameter costs the driver a
+    value to adapt per call (a datetime about 10 µs), and a single enqueue
+    would otherwise send sixteen values of seven types. ``keyed`` skips the
+    rows whose unique key is taken (the rj_job_unique_key index judges) and
+    returns the ids inserted.
+    """
+    from psycopg.sql import Literal  # here: the mirror imports this module on every database
+
+    own = OWN_COLUMNS if keyed else tuple(c for c in OWN_COLUMNS if c != "unique_key")
+    # A "%" in a literal (a backend alias may hold one) would read as a placeholder.
+    literals = ", ".join(Literal(value).as_string().replace("%", "%%") for _, value in shared)
+    row = f"({', '.join(['%s'] * len(own))}, {literals}, {DATABASE_NOW})"
+    columns = ", ".join((*own, *(name for name, _ in shared), "updated_at"))
+    sql = f"INSERT INTO {Job._meta.db_table} ({columns}) VALUES {', '.join([row] * rows)}"
+    return sql + " ON CONFLICT DO NOTHING RETURNING id" if keyed else sql
 
 
-def insert_job(connection: BaseDatabaseWrapper, job: Job) -> None:
-    """INSERT_JOB for ``job``, in the caller's transaction."""
+def insert_one(connection: BaseDatabaseWrapper, new: NewJobs) -> None:
+    """The one row of ``new`` (a single enqueue): one INSERT, as a COPY takes two round trips.
+
+    Timestamps go as ISO text, as in the COPY (PostgreSQL reads the offset;
+    a naive one is read in the connection's time zone, as Django's would be).
+    """
+    [(job_id, shard, args, kwargs, _)] = new.rows
     with connection.cursor() as cursor:
-        cursor.execute(INSERT_JOB, row_values(job))
+        cursor.execute(insert_sql(new.shared(), 1, keyed=False),
+                       (job_id, shard, args, kwargs, new.enqueued_at.isoformat()))
 
 
-#: COPY's column order for NewJobs: a row's own values first, then the shared ones.
-NEW_JOB_COLUMNS = ("id", "shard", "args", "kwargs", "backend", "queue", "task_path",
-                   "priority", "state", "attempts", "generation", "max_attempts", "run_after",
-                   "enqueued_at", "updated_at", "last_error")
-COPY_NEW_JOBS = f"COPY {Job._meta.db_table} ({', '.join(NEW_JOB_COLUMNS)}) FROM STDIN"
+def insert_keyed(connection: BaseDatabaseWrapper, new: NewJobs) -> set[str]:
+    """Insert the rows whose unique key is free (ON CONFLICT DO NOTHING); the ids inserted."""
+    rows: list[NewRow] = list(new.rows)
+    shared, enqueued_at = new.shared(), new.enqueued_at.isoformat()
+    inserted: set[str] = set()
+    with connection.cursor() as cursor:
+        for chunk in chunks(rows, UNIQUE_BATCH):
+            cursor.execute(insert_sql(shared, len(chunk), keyed=True), [
+                value for row in chunk for value in (*row, enqueued_at)])
+            inserted.update(str(pk) for (pk,) in cursor.fetchall())
+    return inserted
+
+
+#: COPY's columns: a row's own values first (NewRow's, its key left out: a
+#: keyed row goes through insert_keyed), then the shared ones and the clocks.
+COPY_COLUMNS = ("id", "shard", "args", "kwargs")
 #: Rows per write while a COPY streams: PostgreSQL parses and indexes one
 #: chunk while the caller makes the next (rows may come from a generator).
 COPY_CHUNK = 1000
@@ -94,8 +120,8 @@ def _copy_text(value: object) -> str:
             .replace("\r", "\\r"))
 
 
-def insert_new_jobs(connection: BaseDatabaseWrapper, new: NewJobs) -> None:
-    """COPY_NEW_JOBS in its text format, the lines written by hand.
+def copy_jobs(connection: BaseDatabaseWrapper, new: NewJobs) -> None:
+    """COPY the rows of ``new`` in its text format, the lines written by hand.
 
     The shared columns are formatted once, and per row only the id, the
     shard and two JSON texts are joined (psycopg's ``write_row`` spent more
@@ -105,63 +131,23 @@ def insert_new_jobs(connection: BaseDatabaseWrapper, new: NewJobs) -> None:
     is the one character to escape. Rows are taken COPY_CHUNK at a time and
     each chunk is sent as soon as it is made.
     """
-    shared = "\t".join(_copy_text(value) for value in (
-        new.backend, new.queue, new.task_path, new.priority, new.state, 0, 0,
-        new.max_attempts, new.run_after, new.enqueued_at, new.enqueued_at, ""))
+    shared = new.shared()
+    names = ", ".join((*COPY_COLUMNS, *(name for name, _ in shared), "enqueued_at",
+                       "updated_at"))
+    tail = "\t".join(_copy_text(value) for value in (
+        *(value for _, value in shared), new.enqueued_at, new.enqueued_at))
     rows = iter(new.rows)
-    with connection.cursor() as cursor, cursor.cursor.copy(COPY_NEW_JOBS) as copy:
+    with (connection.cursor() as cursor,
+          cursor.cursor.copy(f"COPY {Job._meta.db_table} ({names}) FROM STDIN") as copy):
         while chunk := list(islice(rows, COPY_CHUNK)):
             copy.write("".join([
                 f"{job_id}\t{shard}\t{args.replace(BACKSLASH, ESCAPED)}\t"
-                f"{kwargs.replace(BACKSLASH, ESCAPED)}\t{shared}\n"
-                for job_id, shard, args, kwargs in chunk
+                f"{kwargs.replace(BACKSLASH, ESCAPED)}\t{tail}\n"
+                for job_id, shard, args, kwargs, _ in chunk
             ]))
 
 
-#: The columns insert_new_job_sql() takes as parameters, in order; the rest are
-#: literals, and updated_at the database's clock (DATABASE_NOW).
-ONE_JOB_PARAMETERS = ("id", "shard", "args", "kwargs", "enqueued_at")
-
-
-@lru_cache(maxsize=256)
-def insert_new_job_sql(backend: str, queue: str, task_path: str, priority: int, state: str,
-                       max_attempts: int, run_after: datetime | None) -> str:
-    """The INSERT of one new job of this kind: what the job shares with every other
-    job of its task as SQL literals (quoted by psycopg), six parameters for the rest.
-
-    Each parameter costs the driver a value to adapt per call (a datetime
-    about 10 µs), so a single enqueue sends five texts and an integer instead
-    of sixteen values of seven types.
-    """
-    from psycopg.sql import Literal  # here: the mirror imports this module on every database
-
-    # A "%" in a literal (a backend alias may hold one) would read as a placeholder.
-    literals = ", ".join(Literal(value).as_string().replace("%", "%%") for value in (
-        backend, queue, task_path, priority, state, 0, 0, max_attempts, run_after, ""))
-    return (f"INSERT INTO {Job._meta.db_table} ({', '.join(ONE_JOB_PARAMETERS)}, "
-            "backend, queue, task_path, priority, state, attempts, generation, max_attempts, "
-            f"run_after, last_error, updated_at) VALUES (%s, %s, %s, %s, %s, {literals}, "
-            f"{DATABASE_NOW})")
-
-
-def insert_new_job(connection: BaseDatabaseWrapper, new: NewJobs) -> None:
-    """The one row of ``new`` (a single enqueue): one INSERT, as a COPY takes two round trips.
-
-    Timestamps go as ISO text, as in the COPY (PostgreSQL reads the offset;
-    a naive one is read in the connection's time zone, as Django's would be).
-    """
-    [(job_id, shard, args, kwargs)] = new.rows
-    sql = insert_new_job_sql(new.backend, new.queue, new.task_path, new.priority, new.state,
-                             new.max_attempts, new.run_after)
-    with connection.cursor() as cursor:
-        cursor.execute(sql, (job_id, shard, args, kwargs, new.enqueued_at.isoformat()))
-
-
 # -- unique keys ----------------------------------------------------------
-
-UNIQUE_COLUMNS = (*COPY_COLUMNS, "unique_key")  # and updated_at, DATABASE_NOW
-#: Rows per INSERT_UNIQUE (17 parameters each).
-UNIQUE_BATCH = 500
 
 #: The unfinished jobs holding some keys: a ready-made statement, as the plain
 #: INSERT is (the ORM built it each time, most of a duplicate enqueue's cost).
@@ -173,26 +159,6 @@ def key_holders(using: str, keys: Sequence[str]) -> Iterable[Job]:
     """KEY_HOLDERS: a new statement, so under READ COMMITTED it sees the holder
     whose commit the INSERT waited for (an INSERT ... RETURNING could not)."""
     return Job.objects.using(using).raw(KEY_HOLDERS, [list(keys)])
-
-
-@lru_cache(maxsize=8)
-def insert_unique(rows: int) -> str:
-    """INSERT of ``rows`` new jobs with their keys, skipping those whose key is taken."""
-    row = "(" + ", ".join(["%s"] * len(UNIQUE_COLUMNS)) + f", {DATABASE_NOW})"
-    return (f"INSERT INTO {Job._meta.db_table} ({', '.join(UNIQUE_COLUMNS)}, updated_at) "
-            f"VALUES {', '.join([row] * rows)} ON CONFLICT DO NOTHING RETURNING id")
-
-
-def insert_ignoring_conflicts(connection: BaseDatabaseWrapper,
-                              jobs: Sequence[Job]) -> set[uuid.UUID]:
-    """INSERT ... ON CONFLICT DO NOTHING RETURNING id; the ids inserted."""
-    inserted: set[uuid.UUID] = set()
-    with connection.cursor() as cursor:
-        for chunk in chunks(jobs, UNIQUE_BATCH):
-            cursor.execute(insert_unique(len(chunk)), [
-                value for job in chunk for value in (*row_values(job), job.unique_key)])
-            inserted.update(pk for (pk,) in cursor.fetchall())
-    return inserted
 
 
 # -- worker and sweep batches --------------------------------------------

@@ -2,11 +2,13 @@
 
 Reads only, except that they lock: a row another transaction holds is
 skipped, never waited for, and the next pass sees what that transaction
-did. The writes recovery makes go through the package's write API.
+did. The writes recovery makes go through the package's write API; what a row
+becomes in Redis again is :func:`rebuilt_job`.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -16,8 +18,26 @@ from django.db import connections
 from django.db.models import Max
 from django.utils import timezone
 
+from .. import payload
+from ..broker.records import NewJob
 from ..models import UNFINISHED_STATES, Attempt, Job, JobState
 from .records import is_uuid
+
+
+def rebuilt_job(row: Job, *, max_attempts: int, due_ms: int = 0,
+                max_bytes: int = sys.maxsize) -> NewJob:
+    """The Redis job for a mirror row, its attempts kept: how a lost job comes back.
+
+    Reconcile rebuilds what Redis lost; a staff retry rebuilds a dead job
+    Redis no longer holds. The caller has locked the row and given it its
+    next generation (:func:`next_generation`), so no token from before the
+    rebuild matches. The row was accepted when it was enqueued, so the
+    current MAX_PAYLOAD_BYTES is not applied again. The row's priority
+    comes back with it (staff changes of it are mirrored onto the row).
+    """
+    text = payload.encode(row.task_path, tuple(row.args), dict(row.kwargs), max_bytes=max_bytes)
+    return NewJob(str(row.pk), text, max_attempts, due_ms=due_ms, attempts=row.attempts,
+                  gen=row.generation, priority=row.priority)
 
 
 def grace_cutoff(using: str, grace_ms: int) -> datetime:

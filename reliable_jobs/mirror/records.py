@@ -72,17 +72,32 @@ class AttemptRecord:
     retry_at: datetime | None = None
 
 
+#: One new job's own values, as an enqueue hands them in: its id (a canonical
+#: UUID), its shard, its args and kwargs as JSON text (the payload's own,
+#: checked by :func:`payload.check_call`: no NUL, no lone surrogate, no
+#: control character left unescaped), and its unique key (None for a task
+#: without unique_for_ms).
+NewRow = tuple[str, int, str, str, str | None]
+
+
+def new_state(run_after: datetime | None, now: datetime) -> str:
+    """The state a job enters Redis in as of ``now``: scheduled while ``run_after`` is later.
+
+    One rule for a new job and a rebuilt one (enqueue.lua decides the same
+    way, on Redis's clock, with the job's due time).
+    """
+    return JobState.SCHEDULED if run_after is not None and run_after > now else JobState.QUEUED
+
+
 @dataclass(frozen=True, slots=True)
 class NewJobs:
     """The rows of one enqueue: what every row shares, then what each row holds.
 
     Kept as text, not model instances: building a ``Job`` per row cost more
-    Python than everything else in a bulk enqueue. ``rows`` holds (id, shard,
-    args JSON, kwargs JSON) per job; the JSON texts are the payload's own
-    (checked by :func:`payload.check_call`: no NUL, no lone surrogate, no
-    control character left unescaped). A list of one row is a single
-    enqueue; any other iterable is read once, as the rows are written, so a
-    bulk enqueue can make its rows while the database takes the earlier ones.
+    Python than everything else in a bulk enqueue. A list of one row is a
+    single enqueue; any other iterable is read once, as the rows are
+    written, so a bulk enqueue can make its rows while the database takes
+    the earlier ones.
     """
 
     backend: str
@@ -93,17 +108,28 @@ class NewJobs:
     max_attempts: int
     run_after: datetime | None
     enqueued_at: datetime
-    rows: Iterable[tuple[str, int, str, str]]
+    rows: Iterable[NewRow]
 
     @classmethod
     def at(cls, now: datetime, *, backend: str, queue: str, task_path: str, priority: int,
-           max_attempts: int, run_after: datetime | None,
-           rows: Iterable[tuple[str, int, str, str]]) -> NewJobs:
-        """The rows of an enqueue at ``now``: scheduled while ``run_after`` is later, or queued."""
-        deferred = run_after is not None and run_after > now
+           max_attempts: int, run_after: datetime | None, rows: Iterable[NewRow]) -> NewJobs:
+        """The rows of an enqueue at ``now``, queued or scheduled (:func:`new_state`)."""
         return cls(backend=backend, queue=queue, task_path=task_path, priority=priority,
-                   state=JobState.SCHEDULED if deferred else JobState.QUEUED,
-                   max_attempts=max_attempts, run_after=run_after, enqueued_at=now, rows=rows)
+                   state=new_state(run_after, now), max_attempts=max_attempts,
+                   run_after=run_after, enqueued_at=now, rows=rows)
+
+    def shared(self) -> tuple[tuple[str, Any], ...]:
+        """Every column the rows share, as (name, value) pairs: with NewRow, a new job's columns.
+
+        The one list both paths write from (``postgres`` as SQL literals or
+        COPY fields, ``portable`` as model fields); the clocks
+        (``enqueued_at``, ``updated_at``) are each path's own. A new column
+        of the jobs table is added here (and to the model) and nowhere else.
+        """
+        return (("backend", self.backend), ("queue", self.queue), ("task_path", self.task_path),
+                ("priority", self.priority), ("state", self.state), ("attempts", 0),
+                ("generation", 0), ("max_attempts", self.max_attempts),
+                ("run_after", self.run_after), ("last_error", ""))
 
 
 def expired_record(job_id: str, attempts: int, *, dead: bool, error: str,

@@ -20,7 +20,7 @@ from django.db import connections, transaction
 from django.utils import timezone
 
 from reliable_jobs import mirror, payload, scripts
-from reliable_jobs.backend import ReliableJobsBackend, mirror_job
+from reliable_jobs.backend import ReliableJobsBackend
 from reliable_jobs.compat import Task
 from reliable_jobs.models import Attempt, Job
 from reliable_jobs.retention import prune, prune_floor
@@ -217,12 +217,14 @@ def measure_floor(backend: ReliableJobsBackend, queue: str, *, samples: int) -> 
     if connection.vendor != "postgresql" or samples < 1:
         return 0.0
     task = bench_task(backend, queue)
-    template = mirror_job(backend.alias, task, (), {}, max_attempts=1, now=timezone.now())
-    template.queue = FLOOR_QUEUE
-    # The statement and values of mirror.insert_job, built once: what is left
-    # per job is the driver's round trip.
-    sql = mirror.postgres.INSERT_JOB
-    rest = mirror.postgres.row_values(template)[1:]
+    now = timezone.now()
+    new = mirror.NewJobs.at(now, backend=backend.alias, queue=FLOOR_QUEUE,
+                            task_path=task.module_path, priority=task.priority, max_attempts=1,
+                            run_after=task.run_after, rows=())
+    # The statement and values of a single enqueue's INSERT (mirror.insert_jobs
+    # of one row), built once: what is left per job is the driver's round trip.
+    sql = mirror.postgres.insert_sql(new.shared(), 1, keyed=False)
+    rest = (0, "[]", "{}", now.isoformat())
     text = payload.encode(task.module_path, (), {}, max_bytes=backend.config.MAX_PAYLOAD_BYTES)
     client = backend.broker.client
     keys = backend.broker.keys(FLOOR_QUEUE)
