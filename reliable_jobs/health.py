@@ -205,7 +205,7 @@ def check(backend: ReliableJobsBackend, *, queues: list[str], max_latency_s: flo
 # -- the readiness view ------------------------------------------------------------
 
 
-def _backends() -> list[ReliableJobsBackend]:
+def backends() -> list[ReliableJobsBackend]:
     from .backend import ReliableJobsBackend
     from .compat import task_backends
 
@@ -223,7 +223,7 @@ def ready(request: HttpRequest) -> JsonResponse:
     logged at WARNING.
     """
     body: dict[str, Any] = {"ready": True, "database": True, "redis": True, "backends": {}}
-    for backend in _backends():
+    for backend in backends():
         db_problem = database_problem(backend.database)
         redis_reason = redis_problem(backend)
         body["backends"][backend.alias] = {"database": not db_problem, "redis": not redis_reason}
