@@ -206,10 +206,9 @@ def check(backend: ReliableJobsBackend, *, queues: list[str], max_latency_s: flo
 
 
 def backends() -> list[ReliableJobsBackend]:
-    from .backend import ReliableJobsBackend
-    from .compat import task_backends
+    from .backend import reliable_backends
 
-    return [b for b in task_backends.all() if isinstance(b, ReliableJobsBackend)]
+    return reliable_backends()
 
 
 @never_cache
