@@ -185,3 +185,14 @@ def test_every_module_has_a_layer() -> None:
                       and not any(module.startswith(prefix + ".") for prefix in LAYERS
                                   if prefix != "reliable_jobs"))
     assert not unplaced, f"give these a layer in LAYERS: {unplaced}"
+
+
+def test_the_graph_sees_every_kind_of_import() -> None:
+    # Given the graph, Then it holds a type-only, a deferred and a relative import it must see
+    graph = edges()
+    assert ("reliable_jobs.health", "reliable_jobs.backend", "type") in graph
+    assert ("reliable_jobs.backend", "reliable_jobs.checks", "function") in graph
+    assert ("reliable_jobs.worker.leases", "reliable_jobs.logformat", "module") in graph
+    # And a loop made of a type-only import is a circle, a deferred one is not
+    assert circles({("a", "b", "module"), ("b", "a", "type")}) == [("a", "b")]
+    assert circles({("a", "b", "module"), ("b", "a", "function")}) == []
