@@ -28,12 +28,13 @@ from django.db.models.expressions import Combinable
 from django.http import Http404, HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
-from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 from django.utils.translation import gettext_lazy as _
 
-from . import changelist, dashboard, staff, taskpage
+# schedule_admin is imported for its side effect: it registers the periodic jobs' admin.
+from . import changelist, dashboard, schedule_admin, staff, taskpage  # noqa: F401
+from .adminparts import ReadOnlyMixin, badge, timestamp
 from .broker import REDIS_ERRORS
 from .compat import admin_action
 from .jobids import short_id
@@ -78,22 +79,6 @@ class PriorityFilter(admin.SimpleListFilter):
         return queryset
 
 
-class ReadOnlyMixin:
-    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-
-def badge(kind: str, value: str, label: Any) -> SafeString:
-    """A coloured label; ``value`` picks the colour class (admin.css)."""
-    return format_html('<span class="rj-badge rj-{}-{}">{}</span>', kind, value, label)
-
-
 def duration(started: datetime | None, finished: datetime | None) -> str:
     """A short human duration ("850 ms", "12.3 s", "4 min 5 s", "2 h 3 min")."""
     if not started or not finished:
@@ -107,18 +92,6 @@ def duration(started: datetime | None, finished: datetime | None) -> str:
     if minutes < 60:
         return f"{minutes} min {seconds} s"
     return f"{minutes // 60} h {minutes % 60} min"
-
-
-def timestamp(moment: datetime | None, *, ms: bool = True) -> str | None:
-    """A sortable local time to the second (or millisecond): job timings need it.
-
-    None for no time, so the admin shows its empty-value dash.
-    """
-    if moment is None:
-        return None
-    local = timezone.localtime(moment)
-    text = f"{local:%Y-%m-%d %H:%M:%S}"
-    return f"{text}.{local.microsecond // 1000:03d}" if ms else text
 
 
 def pretty_json(value: Any) -> SafeString:
@@ -421,6 +394,3 @@ class JobAdmin(ReadOnlyMixin, admin.ModelAdmin):  # type: ignore[type-arg]  # as
         return super().changelist_view(request, {**(extra_context or {}),
                                                  "rj_dashboards": aliases})
 
-
-# Periodic jobs have their own module; importing it registers their admin.
-from . import schedule_admin  # noqa: E402, F401

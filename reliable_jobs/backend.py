@@ -33,9 +33,11 @@ from .broker import REDIS_ERRORS, Broker, NewJob
 from .compat import (
     BaseTaskBackend,
     InvalidTask,
+    InvalidTaskBackend,
     Task,
     TaskResult,
     TaskResultDoesNotExist,
+    task_backends,
     task_enqueued,
 )
 from .keys import is_valid_queue_name
@@ -276,3 +278,24 @@ class ReliableJobsBackend(BaseTaskBackend):
         from .checks import check_backend  # see the module docstring
 
         return check_backend(self)
+
+
+class BackendNotFound(LookupError):
+    """TASKS has no reliable_jobs backend of that alias; the message says which way it is not."""
+
+
+def find_backend(alias: str) -> ReliableJobsBackend:
+    """The reliable_jobs backend ``TASKS[alias]``: the one look-up every caller goes through."""
+    try:
+        backend = task_backends[alias]
+    except InvalidTaskBackend as exc:
+        raise BackendNotFound(f"There is no task backend {alias!r} in TASKS ({exc}).") from None
+    if not isinstance(backend, ReliableJobsBackend):
+        raise BackendNotFound(
+            f"TASKS[{alias!r}] uses {type(backend).__name__}, not ReliableJobsBackend.")
+    return backend
+
+
+def reliable_backends() -> list[ReliableJobsBackend]:
+    """Every configured backend that is a reliable_jobs backend."""
+    return [b for b in task_backends.all() if isinstance(b, ReliableJobsBackend)]

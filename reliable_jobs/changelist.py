@@ -34,7 +34,7 @@ from django.http import HttpRequest
 from django.utils import timezone
 from django.utils.translation import gettext_lazy as _
 
-from .backend import ReliableJobsBackend
+from .backend import ReliableJobsBackend, find_backend
 from .compat import task_backends
 from .dashboard import drift
 from .models import Job
@@ -157,10 +157,7 @@ def reliable_backends() -> list[str]:
 
 def reliable_backend(alias: str) -> ReliableJobsBackend:
     """The backend ``alias``, which the caller found in :func:`reliable_backends`."""
-    backend = task_backends[alias]
-    if not isinstance(backend, ReliableJobsBackend):
-        raise TypeError(f"TASKS[{alias!r}] is not a ReliableJobsBackend.")
-    return backend
+    return find_backend(alias)
 
 
 #: Shortest id prefix or suffix searched as one (the changelist shows 8 characters).

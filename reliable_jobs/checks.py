@@ -256,12 +256,11 @@ def check_redis_eviction(app_configs: Any = None, **kwargs: Any) -> list[checks.
     and a refused command would fill the ACL log); a user without CONFIG
     rights is not warned, the policy cannot be read.
     """
-    from .backend import ReliableJobsBackend
-    from .compat import task_backends
+    from .backend import reliable_backends
 
     messages: list[checks.CheckMessage] = []
-    for backend in task_backends.all():
-        if isinstance(backend, ReliableJobsBackend) and not backend.problems():
+    for backend in reliable_backends():
+        if not backend.problems():
             where = f"TASKS[{backend.alias!r}]"
             messages += _check_eviction(where, backend.config.REDIS_URL)
     return messages

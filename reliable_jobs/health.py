@@ -205,11 +205,10 @@ def check(backend: ReliableJobsBackend, *, queues: list[str], max_latency_s: flo
 # -- the readiness view ------------------------------------------------------------
 
 
-def _backends() -> list[ReliableJobsBackend]:
-    from .backend import ReliableJobsBackend
-    from .compat import task_backends
+def backends() -> list[ReliableJobsBackend]:
+    from .backend import reliable_backends
 
-    return [b for b in task_backends.all() if isinstance(b, ReliableJobsBackend)]
+    return reliable_backends()
 
 
 @never_cache
@@ -223,7 +222,7 @@ def ready(request: HttpRequest) -> JsonResponse:
     logged at WARNING.
     """
     body: dict[str, Any] = {"ready": True, "database": True, "redis": True, "backends": {}}
-    for backend in _backends():
+    for backend in backends():
         db_problem = database_problem(backend.database)
         redis_reason = redis_problem(backend)
         body["backends"][backend.alias] = {"database": not db_problem, "redis": not redis_reason}

@@ -45,6 +45,12 @@ TEXT_FORMAT = "%(asctime)s %(levelname)s %(message)s"
 worker_logger = logging.getLogger("reliable_jobs.worker")
 
 
+def printable(job_id: str) -> str:
+    """A job id read from Redis, fit for a log line: anyone who can write to
+    Redis chooses it, and a newline in it would forge a line of its own."""
+    return job_id if job_id.isprintable() and len(job_id) <= 100 else repr(job_id[:100])
+
+
 class JsonLinesFormatter(logging.Formatter):
     """Format each record as one JSON object on one line."""
 
@@ -88,8 +94,6 @@ def log_attempt(level: int, job: ClaimedJob, task_path: str, outcome: str, durat
     logged only from -v 2 (the caller checks first: at thousands of jobs a
     second the line cost a quarter of the drain rate).
     """
-    # Here, not at the top: the worker package imports this module.
-    from .worker.registry import printable
 
     queue = logical_queue(job.queue)
     waited = f"{job.waited_ms} ms in queue" if job.waited_ms >= 0 else "time in queue unknown"

@@ -221,11 +221,11 @@ class QueueCollector:
         yield from (depth, age, due, live, in_hand, up)
 
     def _backends(self) -> list[ReliableJobsBackend]:
-        from .health import _backends
+        from .health import backends
 
         if self.worker is not None:
             return [self.worker.backend]
-        return _backends()
+        return backends()
 
 
 class _Exposed:

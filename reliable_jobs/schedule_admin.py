@@ -20,7 +20,7 @@ from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 from django.utils.translation import gettext_lazy as _
 
-from .admin import ReadOnlyMixin, badge, timestamp
+from .adminparts import ReadOnlyMixin, badge, timestamp
 from .changelist import reliable_backend, reliable_backends
 from .compat import admin_action
 from .jobids import short_id

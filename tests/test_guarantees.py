@@ -26,6 +26,7 @@ from reliable_jobs import mirror
 from reliable_jobs.broker import Broker, ClaimedJob, NewJob
 from reliable_jobs.compat import task_backends
 from reliable_jobs.keys import QueueKeys
+from reliable_jobs.logformat import printable
 from reliable_jobs.mirror import AttemptRecord
 from reliable_jobs.models import Attempt, AttemptOutcome, Job, JobState
 from reliable_jobs.retention import prune
@@ -33,7 +34,7 @@ from reliable_jobs.sweep import Sweep
 from reliable_jobs.worker import Worker
 from reliable_jobs.worker.finisher import FinishedAttempt
 from reliable_jobs.worker.leases import LeaseKeeper
-from reliable_jobs.worker.registry import InHand, printable
+from reliable_jobs.worker.registry import InHand
 from reliable_jobs.worker.shared import Shared
 from testproject.demo import tasks as demo
 

@@ -20,12 +20,10 @@ from typing import Any, ClassVar, Literal
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from reliable_jobs import logformat
-from reliable_jobs.backend import ReliableJobsBackend
+from reliable_jobs.backend import BackendNotFound, ReliableJobsBackend, find_backend
 from reliable_jobs.compat import (
     DEFAULT_TASK_BACKEND_ALIAS,
     TASKS_LOGGER,
-    InvalidTaskBackend,
-    task_backends,
 )
 
 VERBOSITY_LEVELS = {0: logging.WARNING, 1: logging.INFO, 2: logging.DEBUG, 3: logging.DEBUG}
@@ -103,14 +101,9 @@ def queue_list(values: list[str] | None) -> list[str]:
 def get_backend(alias: str) -> ReliableJobsBackend:
     """Return the reliable_jobs backend ``alias``, or raise a CommandError that says why."""
     try:
-        backend = task_backends[alias]
-    except InvalidTaskBackend as exc:
-        raise CommandError(f"There is no task backend {alias!r} in TASKS ({exc}).") from None
-    if not isinstance(backend, ReliableJobsBackend):
-        raise CommandError(
-            f"TASKS[{alias!r}] uses {type(backend).__name__}, not ReliableJobsBackend."
-        )
-    return backend
+        return find_backend(alias)
+    except BackendNotFound as exc:
+        raise CommandError(str(exc)) from None
 
 
 class ReliableJobsCommand(BaseCommand):

@@ -41,7 +41,7 @@ from ..faults import crash_point
 from ..handoff import StartMarks
 from ..isolation import ChildFailed, ChildStopped, run_in_child
 from ..keys import logical_queue
-from ..logformat import log_attempt
+from ..logformat import log_attempt, printable
 from ..mirror import CANCELLED_ERROR, AttemptRecord, cancelled_record
 from ..models import AttemptOutcome, JobState
 from ..results import attempt_result, finish_cancelled, finish_failed, finish_succeeded
@@ -50,7 +50,7 @@ from ..tasks import lookup
 from .backoff import Backoff
 from .database import close_old_connections_if_opened
 from .finisher import FinishedAttempt, Finisher
-from .registry import Held, printable
+from .registry import Held
 from .shared import Shared
 
 if TYPE_CHECKING:

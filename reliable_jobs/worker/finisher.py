@@ -24,11 +24,11 @@ from django.db import DatabaseError, connections
 from .. import mirror, retry, telemetry
 from ..broker import REDIS_ERRORS, Applied, Broker, ClaimedJob
 from ..faults import crash_point, raise_point
+from ..logformat import printable
 from ..mirror import AttemptRecord
 from ..models import AttemptOutcome
 from .backoff import Backoff
 from .database import is_transient
-from .registry import printable
 from .shared import Shared
 
 logger = logging.getLogger("reliable_jobs.worker")

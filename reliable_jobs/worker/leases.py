@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..broker import REDIS_ERRORS, Applied, Broker
-from .registry import printable
+from ..logformat import printable
 from .shared import Shared
 
 logger = logging.getLogger("reliable_jobs.worker")

@@ -20,12 +20,6 @@ def held_key(job: ClaimedJob) -> HeldKey:
     return (job.queue, job.id, job.attempt, job.gen)
 
 
-def printable(job_id: str) -> str:
-    """A job id read from Redis, fit for a log line: anyone who can write to
-    Redis chooses it, and a newline in it would forge a line of its own."""
-    return job_id if job_id.isprintable() and len(job_id) <= 100 else repr(job_id[:100])
-
-
 @dataclass(slots=True)
 class Held:
     """A job in hand: claimed, maybe running, not yet acked."""
