@@ -307,6 +307,17 @@ def lose_the_cancel(client: redis.Redis, job_id: str, state: str) -> None:
     client.hdel(KEYS.job(job_id), "cancel")
 
 
+def running_job_whose_cancel_redis_lost(backend: Any, client: redis.Redis) -> ClaimedJob:
+    """A job claimed and started, cancelled by staff, its cancel then lost by Redis."""
+    broker: Broker = backend.broker
+    result = demo.add.enqueue(1, 2)
+    job = broker.claim("default", count=1, lease_ms=60_000).jobs[0]
+    assert broker.start("default", [job.fence]) == [True]
+    assert staff.cancel(backend, result.id).done
+    lose_the_cancel(client, result.id, "running")
+    return job
+
+
 def test_a_cancel_of_a_waiting_job_lost_by_redis_is_applied_again_by_reconcile(
     rj_settings: Any, redis_client: redis.Redis
 ) -> None:
@@ -332,11 +343,7 @@ def test_a_cancel_of_a_running_job_lost_by_redis_is_applied_again_by_reconcile(
     rj_settings()
     backend = task_backends["default"]
     broker: Broker = backend.broker
-    result = demo.add.enqueue(1, 2)
-    job = broker.claim("default", count=1, lease_ms=60_000).jobs[0]
-    assert broker.start("default", [job.fence]) == [True]
-    assert staff.cancel(backend, result.id).done
-    lose_the_cancel(redis_client, result.id, "running")
+    job = running_job_whose_cancel_redis_lost(backend, redis_client)
 
     # When: reconcile runs
     Sweep(backend).reconcile()
@@ -354,11 +361,7 @@ def test_the_finisher_acks_an_outcome_the_mirror_settled_as_cancelled(
     rj_settings()
     backend = task_backends["default"]
     broker: Broker = backend.broker
-    result = demo.add.enqueue(1, 2)
-    job = broker.claim("default", count=1, lease_ms=60_000).jobs[0]
-    assert broker.start("default", [job.fence]) == [True]
-    assert staff.cancel(backend, result.id).done
-    lose_the_cancel(redis_client, result.id, "running")
+    job = running_job_whose_cancel_redis_lost(backend, redis_client)
     shared = Shared()
     shared.in_hand.add([job])
     finisher = Finisher(broker=broker, database="default", shared=shared)
@@ -376,9 +379,9 @@ def test_the_finisher_acks_an_outcome_the_mirror_settled_as_cancelled(
 
     # Then: Redis finished the job instead of scheduling a retry of it
     assert redis_client.zcard(KEYS.scheduled) == 0
-    assert redis_client.hget(KEYS.job(result.id), "state") in (None, "finished", "cancelled")
-    assert Attempt.objects.get(job_id=result.id).outcome == AttemptOutcome.CANCELLED
-    assert Job.objects.get(pk=result.id).state == JobState.CANCELLED
+    assert redis_client.hget(KEYS.job(job.id), "state") in (None, "finished", "cancelled")
+    assert Attempt.objects.get(job_id=job.id).outcome == AttemptOutcome.CANCELLED
+    assert Job.objects.get(pk=job.id).state == JobState.CANCELLED
 
 
 # -- item 12: prune never deletes a row whose job Redis still holds ------------
