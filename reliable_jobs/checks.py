@@ -22,6 +22,8 @@ id. Ids:
 - E016 the job mirror on SQLite without ``transaction_mode`` "IMMEDIATE"
   (or "EXCLUSIVE"): row locks do nothing there, so the mirror's writers
   must take the database's write lock when their transaction begins.
+- E027 a bad OPTIONS['FAIR_WEIGHTS'] entry (a group that is not a fair
+  group name, or a weight not from 1 to 1000).
 - W001 Redis does not answer (a warning: it may start after the web app).
 - W003 Redis may evict keys (maxmemory-policy is not noeviction); a
   deployment check (``check --deploy``).
@@ -67,6 +69,7 @@ PROBLEM_IDS: dict[ProblemKind, str] = {
     ProblemKind.APP_NOT_INSTALLED: "reliable_jobs.E009",
     ProblemKind.BAD_SHARDS: "reliable_jobs.E010",
     ProblemKind.BAD_SCHEDULE: "reliable_jobs.E011",
+    ProblemKind.BAD_FAIR_WEIGHTS: "reliable_jobs.E027",
 }
 
 

@@ -15,6 +15,7 @@ from difflib import get_close_matches
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
+from . import fairness
 from .keys import MAX_SHARDS, PREFIX_RE, is_valid_queue_name
 from .redaction import SafeExceptionReporterFilter, mask_password
 
@@ -36,6 +37,7 @@ class ProblemKind(enum.Enum):
     APP_NOT_INSTALLED = enum.auto()
     BAD_SHARDS = enum.auto()
     BAD_SCHEDULE = enum.auto()
+    BAD_FAIR_WEIGHTS = enum.auto()
 
 
 #: One problem: its kind and a whole-sentence message.
@@ -84,6 +86,10 @@ class BackendOptions:
     #: whatever its priority (the others go highest priority first); 0
     #: means strict priority. See docs/howto/priorities.md.
     FAIR_SHARE: int = 10
+    #: Weights of fair groups, e.g. {"acme": 3}: a group takes that many jobs
+    #: per turn of its queue's rotation; unlisted groups take 1. See
+    #: docs/howto/fair-shares.md.
+    FAIR_WEIGHTS: dict[str, int] = field(default_factory=dict)
     #: Shards per queue, e.g. {"emails": 4}: each shard is a queue of its own
     #: (its own hash tag, so its own cluster slot); unlisted queues have one.
     SHARDS: dict[str, int] = field(default_factory=dict)
@@ -184,6 +190,10 @@ def parse(raw: Any) -> BackendOptions:
              f"shards from 1 to {MAX_SHARDS}, not {shards!r}.")
         )
         values.pop("SHARDS", None)
+    weights_problem = fairness.weights_problem(values.get("FAIR_WEIGHTS", {}))
+    if weights_problem:
+        problems.append((ProblemKind.BAD_FAIR_WEIGHTS, weights_problem))
+        values.pop("FAIR_WEIGHTS", None)
     if "SCHEDULE" in values:
         from .periodic.declared import from_options
 

@@ -1,7 +1,7 @@
 """The task class of this backend, and the allow-list of runnable tasks.
 
 ``@task(max_attempts=5, retry_base_ms=500, timeout_ms=60_000)`` (and the
-unique options, ``unique_for_ms=60_000``) works
+unique options, ``unique_for_ms=60_000``, and ``fair_key="account_id"``) works
 because Django's ``task()`` passes extra keyword arguments to the backend's
 ``task_class``. Every such task registers itself by its import path when it
 is created. A worker fills the registry at start-up (:func:`discover` imports
@@ -23,6 +23,8 @@ from django.dispatch import receiver
 from django.utils.module_loading import autodiscover_modules
 
 from .compat import InvalidTask, Task
+from . import fairness
+from .fairness import FairKey
 from .unique import UniqueBy, check_options
 
 _registry: dict[str, Task[..., Any]] = {}
@@ -56,6 +58,10 @@ class ReliableTask(Task):  # type: ignore[type-arg]  # generic only in django-st
     #: Whether a running job still counts (by default only queued and
     #: scheduled ones do: a call made while the job runs enqueues another).
     unique_while_running: bool = False
+    #: The job's fair group (tenant): the name of one argument, or a function
+    #: of the call's arguments returning a str, an int or None (no group).
+    #: Groups of one queue and priority take turns (fairness.py).
+    fair_key: FairKey | None = None
 
     def __post_init__(self) -> None:
         # Zero-argument super() does not work in a slots dataclass.
@@ -71,6 +77,7 @@ class ReliableTask(Task):  # type: ignore[type-arg]  # generic only in django-st
             # Frozen dataclasses hash their fields: keep the names as a tuple.
             object.__setattr__(self, "unique_by", tuple(self.unique_by))
         check_options(self)
+        fairness.check_options(self)
         register(self)
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import redis
 
 from ..exceptions import AttemptsExhausted, LeaseExpired, class_path
-from ..keys import wake_marker
+from ..keys import QueueKeys, wake_marker
 from .core import BrokerCore
 from .records import (
     Applied,
@@ -34,6 +34,11 @@ TOMBSTONE_MS = 3_600_000
 #: they bury, built from the classes so they always import (TaskError reads them).
 EXHAUSTED_CLASS = class_path(AttemptsExhausted)
 EXPIRED_CLASS = class_path(LeaseExpired)
+
+
+def _reserved(k: QueueKeys) -> tuple[str, str, str]:
+    """claim.lua's KEYS[11..13], which it does not read yet (kept in the queue's slot)."""
+    return (k.queued, k.queued, k.queued)
 
 
 class Lifecycle(BrokerCore):
@@ -111,9 +116,10 @@ class Lifecycle(BrokerCore):
         jobs_flat, dead_flat, garbage, remaining, banded = self._run(
             "claim",
             (k.queued, k.leases, k.dead, k.wake, k.job_prefix, k.landing,
-             k.bands, k.band_prefix, k.share, k.strays),
+             k.bands, k.band_prefix, k.share, k.strays,
+             *_reserved(k), *k.fair, k.turn),
             (max(count, 1 if moved_id else 0), lease_ms, moved_id or "", self.fair_share,
-             EXHAUSTED_CLASS),
+             EXHAUSTED_CLASS, "", "", "", self.fair_weights),
         )
         if int(banded):
             self._banded.add(queue)
@@ -156,7 +162,7 @@ class Lifecycle(BrokerCore):
         k = self.keys(queue)
         args = [x for entry in failed for x in entry]
         keys = (k.queued, k.leases, k.scheduled, k.dead, k.wake, k.job_prefix,
-                k.bands, k.band_prefix)
+                k.bands, k.band_prefix, *k.fair)
         applied = _applied(self._run("nack", keys, args))
         self._wake(queue, any(ok == Applied.DONE and entry[3] == 0
                               for ok, entry in zip(applied, failed, strict=True)))
@@ -181,7 +187,7 @@ class Lifecycle(BrokerCore):
         k = self.keys(queue)
         args = [x for job_id, attempt, gen, started in held
                 for x in (job_id, attempt, gen, int(started))]
-        keys = (k.queued, k.leases, k.wake, k.job_prefix, k.bands, k.band_prefix)
+        keys = (k.queued, k.leases, k.wake, k.job_prefix, k.bands, k.band_prefix, *k.fair)
         released = _applied(self._run("release", keys, args))
         self._wake(queue, Applied.DONE in released)
         return released
@@ -228,7 +234,7 @@ class Lifecycle(BrokerCore):
         outcomes_flat, stamped = self._run(
             "recover",
             (k.queued, k.processing, k.leases, k.dead, k.wake, k.job_prefix, k.landing,
-             k.bands, k.band_prefix, k.strays),
+             k.bands, k.band_prefix, k.strays, *k.fair),
             args,
         )
         outcomes = [
@@ -243,6 +249,6 @@ class Lifecycle(BrokerCore):
         """Move due scheduled jobs onto queued."""
         k = self.keys(queue)
         promoted = int(self._run("promote", (k.queued, k.scheduled, k.wake, k.job_prefix,
-                                             k.bands, k.band_prefix), (limit,)))
+                                             k.bands, k.band_prefix, *k.fair), (limit,)))
         self._wake(queue, promoted)
         return promoted

@@ -33,11 +33,12 @@ def rebuilt_job(row: Job, *, max_attempts: int, due_ms: int = 0,
     next generation (:func:`next_generation`), so no token from before the
     rebuild matches. The row was accepted when it was enqueued, so the
     current MAX_PAYLOAD_BYTES is not applied again. The row's priority
-    comes back with it (staff changes of it are mirrored onto the row).
+    comes back with it (staff changes of it are mirrored onto the row), and so
+    does its fair group.
     """
     text = payload.encode(row.task_path, tuple(row.args), dict(row.kwargs), max_bytes=max_bytes)
     return NewJob(str(row.pk), text, max_attempts, due_ms=due_ms, attempts=row.attempts,
-                  gen=row.generation, priority=row.priority)
+                  gen=row.generation, priority=row.priority, group=row.fair_key)
 
 
 def grace_cutoff(using: str, grace_ms: int) -> datetime:
