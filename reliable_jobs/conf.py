@@ -15,8 +15,7 @@ from difflib import get_close_matches
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
-from . import fairness
-from .keys import MAX_SHARDS, PREFIX_RE, is_valid_queue_name
+from .keys import FAIR_GROUP_RE, MAX_FAIR_WEIGHT, MAX_SHARDS, PREFIX_RE, is_valid_queue_name
 from .redaction import SafeExceptionReporterFilter, mask_password
 
 #: Redis URL schemes accepted by ``redis.Redis.from_url``.
@@ -190,9 +189,17 @@ def parse(raw: Any) -> BackendOptions:
              f"shards from 1 to {MAX_SHARDS}, not {shards!r}.")
         )
         values.pop("SHARDS", None)
-    weights_problem = fairness.weights_problem(values.get("FAIR_WEIGHTS", {}))
-    if weights_problem:
-        problems.append((ProblemKind.BAD_FAIR_WEIGHTS, weights_problem))
+    weights = values.get("FAIR_WEIGHTS", {})
+    if not isinstance(weights, dict) or not all(
+        isinstance(group, str) and FAIR_GROUP_RE.fullmatch(group)
+        and isinstance(weight, int) and not isinstance(weight, bool)
+        and 1 <= weight <= MAX_FAIR_WEIGHT for group, weight in weights.items()
+    ):
+        problems.append(
+            (ProblemKind.BAD_FAIR_WEIGHTS, f"OPTIONS['FAIR_WEIGHTS'] must map fair groups (1 to "
+             f"100 letters, digits, '.', '_', ':', '@' or '-') to a weight from 1 to "
+             f"{MAX_FAIR_WEIGHT}, not {weights!r}.")
+        )
         values.pop("FAIR_WEIGHTS", None)
     if "SCHEDULE" in values:
         from .periodic.declared import from_options

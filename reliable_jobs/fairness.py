@@ -10,33 +10,38 @@ group is stored on the job's row (``Job.fair_key``) so a rebuild from the
 mirror puts the job back in its group.
 
 A group is a short name: it becomes part of a Redis key and of the
-weights claim.lua parses, hence the narrow alphabet of :data:`GROUP_RE`.
+weights claim.lua parses, hence the narrow alphabet of
+:data:`~reliable_jobs.keys.FAIR_GROUP_RE`.
 """
 
 from __future__ import annotations
 
 import inspect
-import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .compat import InvalidTask
-
-if TYPE_CHECKING:
-    from .tasks import ReliableTask
-
-#: A fair group: 1 to 100 letters, digits or ``._:@-`` (no ',' or '=': the
-#: weights reach claim.lua as ``group=weight,...``).
-GROUP_RE = re.compile(r"[A-Za-z0-9._:@-]{1,100}")
-#: Largest weight a group may have: jobs it takes per turn.
-MAX_WEIGHT = 1000
+from .keys import FAIR_GROUP_RE
 
 #: What ``fair_key`` may be: a function of the call's arguments, or one argument's name.
 FairKey = Callable[..., Any] | str
 
 
-def check_options(task: ReliableTask) -> None:
+class FairTask(Protocol):
+    """What this module reads of a task (a ``ReliableTask``)."""
+
+    @property
+    def fair_key(self) -> FairKey | None: ...
+    @property
+    def func(self) -> Callable[..., Any]: ...
+    @property
+    def takes_context(self) -> bool: ...
+    @property
+    def module_path(self) -> str: ...
+
+
+def check_options(task: FairTask) -> None:
     """Raise InvalidTask, with the fix, for a ``fair_key`` that cannot work."""
     fair_key = task.fair_key
     if fair_key is None or callable(fair_key):
@@ -53,7 +58,7 @@ def check_options(task: ReliableTask) -> None:
             f"{task.func.__qualname__}() (it takes {', '.join(parameters) or 'none'}).")
 
 
-def group_for(task: ReliableTask, args: Sequence[Any], kwargs: dict[str, Any]) -> str:
+def group_for(task: FairTask, args: Sequence[Any], kwargs: dict[str, Any]) -> str:
     """The fair group of one call of ``task``: '' when it has none.
 
     A key of None means no group (the job waits with the others of no
@@ -75,27 +80,14 @@ def as_group(value: object, where: str) -> str:
         return ""
     if isinstance(value, int) and not isinstance(value, bool):
         value = str(value)
-    if not isinstance(value, str) or not GROUP_RE.fullmatch(value):
+    if not isinstance(value, str) or not FAIR_GROUP_RE.fullmatch(value):
         raise InvalidTask(
             f"The fair key of {where} is {value!r}: a fair group must be a whole number or "
             "1 to 100 letters, digits, '.', '_', ':', '@' or '-' (or None for no group).")
     return value
 
 
-def weights_problem(weights: object) -> str:
-    """What is wrong with an OPTIONS['FAIR_WEIGHTS'] value, or '' when it is usable."""
-    if not isinstance(weights, Mapping) or not all(
-        isinstance(group, str) and GROUP_RE.fullmatch(group)
-        and isinstance(weight, int) and not isinstance(weight, bool)
-        and 1 <= weight <= MAX_WEIGHT for group, weight in weights.items()
-    ):
-        return (f"OPTIONS['FAIR_WEIGHTS'] must map fair groups (1 to 100 letters, digits, "
-                f"'.', '_', ':', '@' or '-') to a weight from 1 to {MAX_WEIGHT}, "
-                f"not {weights!r}.")
-    return ""
-
-
-def _bind(task: ReliableTask, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+def _bind(task: FairTask, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
     """The call's arguments by parameter name, defaults filled in (extra keywords too)."""
     signature = _signature(task.func)
     try:

@@ -23,6 +23,13 @@ PHYSICAL_QUEUE_RE = re.compile(r"[A-Za-z0-9._-]{1,100}(#[1-9][0-9]{0,3})?")
 #: Most shards one queue may be split into.
 MAX_SHARDS = 1024
 
+#: A fair group (fairness.py): 1 to 100 letters, digits or ``._:@-``. It ends
+#: a key (QueueKeys.group), and the weights reach claim.lua as
+#: ``group=weight,...``, hence no ',' or '='.
+FAIR_GROUP_RE = re.compile(r"[A-Za-z0-9._:@-]{1,100}")
+#: Largest weight of a fair group: jobs it takes per turn (claim.lua checks it too).
+MAX_FAIR_WEIGHT = 1000
+
 
 def is_valid_queue_name(name: object) -> bool:
     """Return True when ``name`` can be used inside a key and a hash tag."""

@@ -23,8 +23,8 @@
   KEYS[15] rota prefix string the rotation of priority p is KEYS[15] .. p:
                              zset fair group -> place in the turn order
                              ('' for p's plain list)
-  KEYS[16] group prefix string the list of group g at priority p is
-                             KEYS[16] .. p .. ':' .. g
+  KEYS[16] group prefix string group g's list at priority p: KEYS[16] .. p
+                             .. ':' .. g
   KEYS[17] turn       hash   p -> jobs the head of p's rotation took in its
                              current turn
 
@@ -193,11 +193,11 @@ if moved_id ~= '' and redis.call('LREM', landing_key, 1, moved_id) > 0 then
   ids[1] = moved_id
 end
 -- Priorities whose jobs wait in fair groups (a set; empty for most queues).
-local fair = {}
+local grouped = {}
 local fair_count = redis.call('ZCARD', fair_bands_key)
 if fair_count > 0 then
   for _, member in ipairs(redis.call('ZRANGE', fair_bands_key, 0, -1)) do
-    fair[tonumber(member)] = true
+    grouped[tonumber(member)] = true
   end
 end
 
@@ -271,7 +271,7 @@ local function take_fair(band, n)
   end
   if redis.call('ZCARD', rota_prefix .. band) == 0 then
     redis.call('ZREM', fair_bands_key, band)
-    fair[band] = nil
+    grouped[band] = nil
   end
   return got
 end
@@ -280,7 +280,7 @@ end
 -- or round robin from its fair groups; the loop below leases each one (or
 -- drops or buries it) before the script ends; returns how many.
 local function take(band, n)
-  if fair[band] then
+  if grouped[band] then
     return take_fair(band, n)
   end
   local taken
@@ -309,7 +309,7 @@ end
 -- The id at the head (the right) of a band's list, or false when empty;
 -- for a band with fair groups, the id its next take would give first.
 local function head_of(band)
-  if fair[band] then
+  if grouped[band] then
     local group = rota_head(band)
     while group do
       local head
@@ -331,7 +331,7 @@ local function head_of(band)
       group = rota_head(band)
     end
     redis.call('ZREM', fair_bands_key, band)
-    fair[band] = nil
+    grouped[band] = nil
     return false
   end
   if band == 0 then
@@ -390,7 +390,7 @@ elseif wanted > 0 then
     got = got + take(band, wanted - got)
   end
   for _, band in ipairs(bands) do
-    if band ~= 0 and not fair[band] and redis.call('LLEN', band_prefix .. band) == 0 then
+    if band ~= 0 and not grouped[band] and redis.call('LLEN', band_prefix .. band) == 0 then
       redis.call('ZREM', bands_key, band)
     end
   end
@@ -464,7 +464,7 @@ for i = 1, #lease_args, 1000 do
 end
 
 local remaining = redis.call('LLEN', queued_key)
-for band in pairs(fair) do
+for band in pairs(grouped) do
   -- Each group waiting counts 1 (its length would cost a call per group).
   remaining = remaining + redis.call('ZCARD', rota_prefix .. band)
   if redis.call('ZSCORE', rota_prefix .. band, '') then

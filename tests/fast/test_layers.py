@@ -31,7 +31,7 @@ LAYERS: dict[str, int] = {
     "reliable_jobs.tracing": 1,
     # 2 mirror: the PostgreSQL side and the task registry.
     "reliable_jobs.models": 2, "reliable_jobs.mirror": 2, "reliable_jobs.results": 2,
-    "reliable_jobs.tasks": 2, "reliable_jobs.unique": 2, "reliable_jobs.taskstats": 2,
+    "reliable_jobs.tasks": 2, "reliable_jobs.unique": 2, "reliable_jobs.fairness": 2, "reliable_jobs.taskstats": 2,
     "reliable_jobs.logformat": 2,
     # 3 services: what joins broker and mirror (the backend, enqueue, sweeps, schedules).
     "reliable_jobs.backend": 3, "reliable_jobs.newjobs": 3, "reliable_jobs.sweep": 3,
@@ -57,8 +57,8 @@ KNOWN: dict[object, str] = {
     ("reliable_jobs.backend", "reliable_jobs.staff", "reliable_jobs.sweep"):
         "staff and sweep receive the whole backend where they need its broker and config",
     ("reliable_jobs.broker", "reliable_jobs.broker.lifecycle", "reliable_jobs.compat",
-     "reliable_jobs.exceptions", "reliable_jobs.models", "reliable_jobs.tasks",
-     "reliable_jobs.unique"):
+     "reliable_jobs.exceptions", "reliable_jobs.fairness", "reliable_jobs.models",
+     "reliable_jobs.tasks", "reliable_jobs.unique"):
         "exceptions and compat reach up to unique, tasks and models, which reach the broker",
     ("reliable_jobs.backend", "reliable_jobs.checks"):
         "the backend runs the task checks at start, since Django runs them only for some commands",
