@@ -210,6 +210,33 @@ def test_a_retry_goes_back_to_its_group(broker: Broker) -> None:
     assert broker.client.hget(broker.keys(Q).job("a0"), "fair") == "A"
 
 
+def test_a_group_whose_only_job_is_retried_gets_its_turn_back(broker: Broker) -> None:
+    # Given A's only job claimed (A leaves the turn) while B's jobs wait
+    enqueue(broker, "A", "a0")
+    enqueue(broker, "B", "b0", "b1")
+    [claimed] = broker.claim(Q, count=1, lease_ms=LONG_LEASE_MS).jobs
+
+    # When it fails and is retried at once
+    broker.nack(Q, [(claimed.id, claimed.attempt, claimed.gen, 0, "boom")])
+
+    # Then A is back in the turn, behind B
+    assert drain(broker) == ["b0", "a0", "b1"]
+
+
+def test_a_plain_job_that_comes_after_the_plain_list_emptied_gets_a_turn(
+        broker: Broker) -> None:
+    # Given A's backlog and one plain job, which is claimed (the plain list empties)
+    enqueue(broker, "A", *(f"a{i}" for i in range(5)))
+    enqueue(broker, "", "p0")
+    assert claim_ids(broker, 2) == ["a0", "p0"]
+
+    # When another plain job comes
+    enqueue(broker, "", "p1")
+
+    # Then it takes the next turn after A's, not the end of A's backlog
+    assert drain(broker) == ["a1", "p1", "a2", "a3", "a4"]
+
+
 def test_a_released_job_runs_next_in_its_group(broker: Broker) -> None:
     # Given A's first job claimed and handed back (graceful stop)
     enqueue(broker, "A", "a0", "a1")
