@@ -68,7 +68,12 @@ def group_for(task: FairTask, args: Sequence[Any], kwargs: dict[str, Any]) -> st
     if fair_key is None:
         return ""
     if callable(fair_key):
-        value = fair_key(*args, **kwargs)
+        try:
+            value = fair_key(*args, **kwargs)
+        except TypeError as exc:
+            raise InvalidTask(
+                f"The fair_key function of {task.module_path} cannot be called with these "
+                f"arguments ({exc}).") from None
     else:
         value = _bind(task, args, kwargs).get(fair_key)
     return as_group(value, task.module_path)

@@ -337,6 +337,16 @@ def test_a_blmove_that_empties_the_plain_list_leaves_no_dead_turn(broker: Broker
     assert fair_keys(broker) == set()
 
 
+def test_grouped_jobs_count_as_queued(broker: Broker) -> None:
+    # Given plain, grouped and prioritized grouped jobs waiting
+    enqueue(broker, "", "p0")
+    enqueue(broker, "A", "a0", "a1")
+    enqueue(broker, "B", "b0", priority=3)
+
+    # Then the queue's counts see every one of them
+    assert broker.counts(Q).queued == 4
+
+
 # -- the task option and the rows --------------------------------------------------------
 
 
