@@ -4,6 +4,8 @@
     python bench/fair.py weights                # FAIR_WEIGHTS {"A": 3, "B": 1}, 40,000 starts
     python bench/fair.py cost --main-tree DIR [--rounds 6] [--jobs 30000]
                                                 # plain jobs' drain: this tree vs DIR
+    python bench/fair.py claims --main-tree DIR [--rounds 10] [--jobs 50000]
+                                                # the claim script alone, plain jobs
 
 Every figure comes from the job rows the worker wrote (``started_at``,
 ``finished_at``), so a worker's start-up is never part of it:
@@ -19,6 +21,12 @@ Every figure comes from the job rows the worker wrote (``started_at``,
 - cost: N plain no-op jobs (no group), drained by ``runworker --burst`` in this
   tree and in DIR (e.g. a worktree of main), alternating, each in a database of
   its own migrated by its own tree. Rate: N / (last finish - first start).
+- claims: the claim script alone on N plain jobs (Broker.enqueue, then
+  Broker.claim of 100 until empty, no worker, no mirror), in this tree and in
+  DIR, alternating: what a queue without groups pays in Redis for them
+  (wall clock, and the server's own CPU time in EVALSHA per job, from
+  ``INFO commandstats``: the server is reset with CONFIG RESETSTAT, so give
+  it a server of its own).
 
 Uses ``--redis-url`` (a database it flushes: give it one nobody else uses) and
 ``--database-url`` (databases named ``<name>`` and ``<name>_other`` are dropped and made).
@@ -41,8 +49,39 @@ from typing import Any
 HERE = Path(__file__).resolve().parent.parent
 
 
+def claim_time(tree: str, redis_url: str, jobs: int) -> None:
+    """Print the seconds ``tree``'s claim script takes to claim ``jobs`` plain jobs, 100 a call."""
+    sys.path.insert(0, tree)
+    import uuid
+
+    from reliable_jobs.broker import Broker, NewJob
+
+    broker = Broker(redis_url, "claims")
+    broker.client.flushdb()
+    payload = '{"task": "testproject.demo.tasks.noop", "args": [], "kwargs": {}}'
+    for start in range(0, jobs, 1000):
+        broker.enqueue("q", [NewJob(str(uuid.uuid4()), payload, 3)
+                             for _ in range(min(1000, jobs - start))])
+    broker.client.config_resetstat()  # the bench's own server: its stats are ours
+    began = time.perf_counter()
+    claimed = 0
+    while got := len(broker.claim("q", count=100, lease_ms=600_000).jobs):
+        claimed += got
+    elapsed = time.perf_counter() - began
+    stats = broker.client.info("commandstats")
+    server_us = stats["cmdstat_evalsha"]["usec"]
+    commands = sum(v["calls"] for k, v in stats.items() if k != "cmdstat_evalsha")
+    broker.client.flushdb()
+    if claimed != jobs:
+        raise SystemExit(f"claimed {claimed} of {jobs}")
+    print(elapsed, server_us, commands)
+
+
 def child(tree: str, action: str, *args: str) -> None:
     """Run in a subprocess with ``tree`` first on the path: reset, enqueue or read the rows."""
+    if action == "claims":
+        claim_time(tree, args[0], int(args[1]))
+        return
     sys.path.insert(0, tree)
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "testproject.settings")
     import django
@@ -224,12 +263,35 @@ def cost(bench: Bench, options: argparse.Namespace) -> None:
           f"{options.main_tree} {other:,.0f} jobs/s: {100 * (this / other - 1):+.1f}%", flush=True)
 
 
+def claims(bench: Bench, options: argparse.Namespace) -> None:
+    trees = {"this": HERE, "other": Path(options.main_tree).resolve()}
+    rates: dict[str, list[float]] = {key: [] for key in trees}
+    server: dict[str, list[float]] = {key: [] for key in trees}
+    for round_ in range(options.rounds):
+        for key in ("this", "other") if round_ % 2 == 0 else ("other", "this"):
+            tree = trees[key]
+            seconds, usec, commands = map(float, bench.run(
+                tree, bench.env(tree, bench.database_url), "claims", bench.redis_url,
+                str(options.jobs)).split())
+            rates[key].append(options.jobs / seconds)
+            server[key].append(usec / options.jobs)
+            print(f"  {key}: {options.jobs / seconds:,.0f} claims/s, Redis "
+                  f"{usec / options.jobs:.2f} µs and {commands / options.jobs:.3f} commands "
+                  "per job", flush=True)
+    this, other = statistics.median(rates["this"]), statistics.median(rates["other"])
+    this_us, other_us = statistics.median(server["this"]), statistics.median(server["other"])
+    print(f"claim script, plain jobs, 100 a call, median of {options.rounds}: this tree "
+          f"{this:,.0f}/s, {options.main_tree} {other:,.0f}/s: {100 * (this / other - 1):+.1f}%; "
+          f"Redis CPU per job {this_us:.2f} against {other_us:.2f} µs: "
+          f"{100 * (this_us / other_us - 1):+.1f}%", flush=True)
+
+
 def main(argv: list[str]) -> None:
     if argv and argv[0] == "_child":
         child(*argv[1:])
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("figure", choices=["backlog", "weights", "cost"])
+    parser.add_argument("figure", choices=["backlog", "weights", "cost", "claims"])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--backlog", type=int, default=100_000)
     parser.add_argument("--baseline", action="store_true",
@@ -242,9 +304,10 @@ def main(argv: list[str]) -> None:
                         default="postgres://postgres@127.0.0.1:5432/rj_fair_bench")
     parser.add_argument("--timeout", type=float, default=600.0)
     options = parser.parse_args(argv)
-    if options.figure == "cost" and not options.main_tree:
-        parser.error("cost needs --main-tree")
-    {"backlog": backlog, "weights": weights, "cost": cost}[options.figure](Bench(options), options)
+    if options.figure in ("cost", "claims") and not options.main_tree:
+        parser.error(f"{options.figure} needs --main-tree")
+    {"backlog": backlog, "weights": weights, "cost": cost,
+     "claims": claims}[options.figure](Bench(options), options)
 
 
 if __name__ == "__main__":

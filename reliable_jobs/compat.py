@@ -29,6 +29,7 @@ import django
 if TYPE_CHECKING:
     from django.utils.functional import _StrOrPromise as StrOrPromise
 
+    from .fairness import FairKey
     from .unique import UniqueBy
 
 _Action = TypeVar("_Action", bound=Callable[..., Any])
@@ -83,7 +84,8 @@ if TYPE_CHECKING:
 
     class _TaskDecorator(Protocol):
         """django.tasks.task as the stubs type it, plus ReliableTask's options
-        (which task() passes on to the backend's task_class), unique ones included."""
+        (which task() passes on to the backend's task_class), unique ones and
+        fair_key included."""
 
         @overload
         def __call__[**P, R](
@@ -93,7 +95,7 @@ if TYPE_CHECKING:
             max_attempts: int | None = None, retry_base_ms: int | None = None,
             retry_max_ms: int | None = None, timeout_ms: int | None = None,
             unique_for_ms: int | None = None, unique_by: UniqueBy | None = None,
-            unique_while_running: bool = False,
+            unique_while_running: bool = False, fair_key: FairKey | None = None,
         ) -> Task[P, R]: ...
         @overload
         def __call__[**P, R](
@@ -103,7 +105,7 @@ if TYPE_CHECKING:
             max_attempts: int | None = None, retry_base_ms: int | None = None,
             retry_max_ms: int | None = None, timeout_ms: int | None = None,
             unique_for_ms: int | None = None, unique_by: UniqueBy | None = None,
-            unique_while_running: bool = False,
+            unique_while_running: bool = False, fair_key: FairKey | None = None,
         ) -> Task[P, R]: ...
         @overload
         def __call__[**P, R](
@@ -113,7 +115,7 @@ if TYPE_CHECKING:
             max_attempts: int | None = None, retry_base_ms: int | None = None,
             retry_max_ms: int | None = None, timeout_ms: int | None = None,
             unique_for_ms: int | None = None, unique_by: UniqueBy | None = None,
-            unique_while_running: bool = False,
+            unique_while_running: bool = False, fair_key: FairKey | None = None,
         ) -> Callable[[Callable[Concatenate[TaskContext[Any, Any], P], R]], Task[P, R]]: ...
         @overload
         def __call__[**P, R](
@@ -123,7 +125,7 @@ if TYPE_CHECKING:
             max_attempts: int | None = None, retry_base_ms: int | None = None,
             retry_max_ms: int | None = None, timeout_ms: int | None = None,
             unique_for_ms: int | None = None, unique_by: UniqueBy | None = None,
-            unique_while_running: bool = False,
+            unique_while_running: bool = False, fair_key: FairKey | None = None,
         ) -> Callable[[Callable[P, R]], Task[P, R]]: ...
 
     task: _TaskDecorator

@@ -145,7 +145,7 @@ class QueueKeys:
 
     @property
     def fair(self) -> tuple[str, str, str]:
-        """The keys every script that pushes a job passes last: fair_bands, rota and group prefixes."""
+        """What every script that pushes a job takes last: fair_bands, rota and group prefixes."""
         return (self.fair_bands, self.rota_prefix, self.group_prefix)
 
     @property

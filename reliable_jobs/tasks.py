@@ -22,8 +22,8 @@ from django.core.signals import setting_changed
 from django.dispatch import receiver
 from django.utils.module_loading import autodiscover_modules
 
-from .compat import InvalidTask, Task
 from . import fairness
+from .compat import InvalidTask, Task
 from .fairness import FairKey
 from .unique import UniqueBy, check_options
 

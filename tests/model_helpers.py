@@ -354,7 +354,8 @@ class QueueMachine(RuleBasedStateMachine):
         With a ``tenant`` the job has that fair group (demo.tenant_add).
         """
         task = demo.add if tenant is None else demo.tenant_add
-        args: tuple[Any, ...] = (len(self.jobs), 1) if tenant is None else (tenant, len(self.jobs), 1)
+        args: tuple[Any, ...] = ((len(self.jobs), 1) if tenant is None
+                                 else (tenant, len(self.jobs), 1))
         if priority:
             task = task.using(priority=priority)
         if deferred:

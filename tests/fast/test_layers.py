@@ -31,8 +31,8 @@ LAYERS: dict[str, int] = {
     "reliable_jobs.tracing": 1,
     # 2 mirror: the PostgreSQL side and the task registry.
     "reliable_jobs.models": 2, "reliable_jobs.mirror": 2, "reliable_jobs.results": 2,
-    "reliable_jobs.tasks": 2, "reliable_jobs.unique": 2, "reliable_jobs.fairness": 2, "reliable_jobs.taskstats": 2,
-    "reliable_jobs.logformat": 2,
+    "reliable_jobs.tasks": 2, "reliable_jobs.unique": 2, "reliable_jobs.taskstats": 2,
+    "reliable_jobs.logformat": 2, "reliable_jobs.fairness": 2,
     # 3 services: what joins broker and mirror (the backend, enqueue, sweeps, schedules).
     "reliable_jobs.backend": 3, "reliable_jobs.newjobs": 3, "reliable_jobs.sweep": 3,
     "reliable_jobs.staff": 3, "reliable_jobs.retention": 3, "reliable_jobs.periodic.scheduler": 3,
@@ -54,6 +54,8 @@ LAYERS: dict[str, int] = {
 KNOWN: dict[object, str] = {
     ("reliable_jobs.compat", "reliable_jobs.unique"):
         "compat names unique's types for its type hints",
+    ("reliable_jobs.compat", "reliable_jobs.fairness"):
+        "compat names fairness's FairKey for its type hints",
     ("reliable_jobs.backend", "reliable_jobs.staff", "reliable_jobs.sweep"):
         "staff and sweep receive the whole backend where they need its broker and config",
     ("reliable_jobs.broker", "reliable_jobs.broker.lifecycle", "reliable_jobs.compat",
