@@ -906,8 +906,8 @@ class QueueMachine(RuleBasedStateMachine):
                 pipe.hmget(k.job(job_id), "state", "priority", "fair", "attempts", "gen")
             found = dict(zip(rows, pipe.execute(), strict=True))
         for job_id, (state, priority, group, _, _) in found.items():
-            if state is None:
-                continue
+            if state not in ("queued", "scheduled", "running", "dead"):
+                continue  # no hash, or a tombstone (finished, cancelled): only state and gen
             if (group or "") != rows[job_id].fair_key:
                 self.fail(f"job {job_id} has fair group {group!r} in Redis but "
                           f"{rows[job_id].fair_key!r} in its row")
