@@ -404,6 +404,20 @@ def test_the_row_holds_the_group_and_a_rebuild_puts_the_job_back_in_it(
     assert {redis_client.hget(k.job(j.id), "fair") for j in claimed} == {"acme", "zeta"}
 
 
+@pytest.mark.django_db(transaction=True)
+def test_the_admin_shows_a_jobs_fair_group(rj_settings: Any, admin_client: Any) -> None:
+    # Given a job of tenant "acme"
+    rj_settings()
+    result = per_tenant.enqueue("acme", 1)
+
+    # When staff open it in the admin
+    page = admin_client.get(f"/admin/reliable_jobs/job/{result.id}/change/")
+
+    # Then its fair group is shown
+    assert page.status_code == 200
+    assert b"fair group" in page.content.lower() and b"acme" in page.content
+
+
 def test_bad_fair_weights_are_e027() -> None:
     # When FAIR_WEIGHTS holds a bad group or weight
     for bad in ({"a,b": 2}, {"a": 0}, {"a": 1001}, {"a": True}, ["a"]):
