@@ -14,8 +14,8 @@ Every figure comes from the job rows the worker wrote (``started_at``,
   enqueued, then B's 10 one call each; then one worker with default settings
   starts. B's wait is each B job's start minus the first start of any job
   (the moment the worker began on the backlog). Printed: p50, p99, max over
-  every round's 10 jobs; with ``--baseline`` also the same run without groups
-  (B behind the whole backlog).
+  every round's 10 jobs; with ``--baseline`` also the same jobs enqueued
+  without groups (B behind the whole backlog).
 - weights: 40,000 of A's and 20,000 of B's jobs, FAIR_WEIGHTS A=3; the first
   40,000 starts (by start time, then id) are counted per tenant.
 - cost: N plain no-op jobs (no group), drained by ``runworker --burst`` in this
@@ -36,6 +36,7 @@ Every wait is bounded; each worker is stopped, also on an error.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -101,13 +102,16 @@ def child(tree: str, action: str, *args: str) -> None:
         backend.broker.client.flushdb()
     elif action == "enqueue":
         count, tenant = int(args[0]), args[1]
+        # "plain": the same task and arguments without fair groups (the baseline).
+        tenant_add = (dataclasses.replace(demo.tenant_add, fair_key=None)
+                      if args[2:] == ("plain",) else demo.tenant_add)
         if tenant == "-":
             backend.enqueue_many(demo.noop, (((), {}) for _ in range(count)))
         elif count <= 10:
             for i in range(count):
-                demo.tenant_add.enqueue(tenant, i, 0)
+                tenant_add.enqueue(tenant, i, 0)
         else:
-            backend.enqueue_many(demo.tenant_add, (((tenant, i, 0), {}) for i in range(count)))
+            backend.enqueue_many(tenant_add, (((tenant, i, 0), {}) for i in range(count)))
     elif action == "rows":
         with connection.cursor() as cursor:
             cursor.execute(
@@ -192,10 +196,10 @@ def backlog(bench: Bench, options: argparse.Namespace) -> None:
         for _ in range(options.rounds):
             env = bench.env(tree, database)
             bench.run(tree, env, "reset")
-            big = "A" if fair else "-"
+            plain = () if fair else ("plain",)
             started = time.monotonic()
-            bench.run(tree, env, "enqueue", str(options.backlog), big)
-            bench.run(tree, env, "enqueue", "10", "B")
+            bench.run(tree, env, "enqueue", str(options.backlog), "A", *plain)
+            bench.run(tree, env, "enqueue", "10", "B", *plain)
             enqueue_s = time.monotonic() - started
             proc = bench.worker(tree, env)
             try:
