@@ -185,3 +185,16 @@ def test_the_graph_sees_every_kind_of_import() -> None:
     # And a loop made of a type-only import is a circle, a deferred one is not
     assert circles({("a", "b", "module"), ("b", "a", "type")}) == [("a", "b")]
     assert circles({("a", "b", "module"), ("b", "a", "function")}) == []
+
+
+#: The backend validates, enqueues and reads results; what it grows beyond that belongs in a
+#: module of its own (``newjobs``, ``parts``, ``backendchecks``), so it stays readable at once.
+BACKEND_MAX_LINES = 300
+
+
+def test_the_backend_stays_short() -> None:
+    # Given backend.py, Then it is at most BACKEND_MAX_LINES lines long
+    lines = len((PACKAGE / "backend.py").read_text().splitlines())
+    assert lines <= BACKEND_MAX_LINES, (
+        f"backend.py has {lines} lines (at most {BACKEND_MAX_LINES}): move a helper out of it "
+        "(into newjobs.py, parts.py or backendchecks.py) rather than cramming lines")
