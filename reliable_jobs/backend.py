@@ -184,8 +184,7 @@ class ReliableJobsBackend(BaseTaskBackend):
         return results
 
     def _push(self, queue: str, jobs: list[NewJob]) -> None:
-        """Push committed jobs (``push_on_commit`` calls it); if Redis is down the sweep's
-        reconcile pushes them (G5)."""
+        """Push committed jobs; if Redis is down the sweep's reconcile pushes them (G5)."""
         try:
             self.broker.enqueue(queue, jobs)
         except Exception as exc:
