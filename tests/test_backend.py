@@ -779,7 +779,7 @@ def test_redis_down_at_commit_keeps_the_job_for_reconcile(
 
     # Given: Redis is back
     rj_settings(RECONCILE_GRACE_MS=10_000)
-    sweep = Sweep(task_backends["default"].parts)  # type: ignore[attr-defined]  # a ReliableJobsBackend
+    sweep = Sweep(task_backends["default"].parts)  # type: ignore[attr-defined]
 
     # When: reconcile runs within the grace period
     # Then: it leaves the row alone (its push might still be on its way)

@@ -286,7 +286,7 @@ def test_a_death_of_a_late_push_after_two_losses_of_redis_is_mirrored(
 
     # When: reconcile looks at the row
     backdate(result.id)
-    Sweep(task_backends["default"].parts)  # type: ignore[attr-defined]  # a ReliableJobsBackend.reconcile()
+    Sweep(task_backends["default"].parts).reconcile()  # type: ignore[attr-defined]
 
     # Then: the death Redis recorded is the job's outcome; the row is not left
     # unfinished for ever behind a hash that reconcile would never rebuild
