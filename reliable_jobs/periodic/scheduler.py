@@ -131,8 +131,11 @@ def decide(timetable: Timetable, catch_up: str, start: datetime, now: datetime) 
 
 
 def declarations(config: BackendOptions, alias: str) -> list[Declaration]:
-    """Every schedule of backend ``alias`` (its ``config``): OPTIONS['SCHEDULE'] first, then
-    ``@periodic`` ones. The backend's settings, not the backend: its checks ask too."""
+    """Backend ``alias``'s schedules: its OPTIONS['SCHEDULE'] first, then ``@periodic`` ones.
+
+    It takes the settings, not the backend: the backend's checks ask too,
+    a layer below nothing that holds a backend (docs/design.md, "Layers").
+    """
     from_settings, _ = from_options(config.SCHEDULE, alias)
     seen: dict[str, Declaration] = {}
     for declaration in from_settings + decorated(alias):
