@@ -133,8 +133,8 @@ def decide(timetable: Timetable, catch_up: str, start: datetime, now: datetime) 
 def declarations(config: BackendOptions, alias: str) -> list[Declaration]:
     """Backend ``alias``'s schedules: its OPTIONS['SCHEDULE'] first, then ``@periodic`` ones.
 
-    It takes the settings, not the backend: the backend's checks ask too,
-    a layer below nothing that holds a backend (docs/design.md, "Layers").
+    It takes the settings, not the backend (docs/design.md, "Layers"):
+    the scheduler and the backend's checks ask, each with what it holds.
     """
     from_settings, _ = from_options(config.SCHEDULE, alias)
     seen: dict[str, Declaration] = {}
