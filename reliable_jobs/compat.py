@@ -21,7 +21,7 @@ mirrors its API.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Concatenate, Literal, Protocol, TypeVar, overload
 
 import django
@@ -29,10 +29,14 @@ import django
 if TYPE_CHECKING:
     from django.utils.functional import _StrOrPromise as StrOrPromise
 
-    from .fairness import FairKey
-    from .unique import UniqueBy
-
 _Action = TypeVar("_Action", bound=Callable[..., Any])
+
+#: What a task's ``unique_by`` may be: a function of the call's arguments, or argument names
+#: (see ``unique.py``). Here, the bottom layer, so the ``task`` decorator's type can name it.
+UniqueBy = Callable[..., Any] | Sequence[str]
+#: What a task's ``fair_key`` may be: a function of the call's arguments, or one
+#: argument's name (see ``fairness.py``). Here for the same reason.
+FairKey = Callable[..., Any] | str
 
 __all__ = [
     "DEFAULT_TASK_BACKEND_ALIAS",
@@ -40,6 +44,7 @@ __all__ = [
     "TASKS_LOGGER",
     "USING_BACKPORT",
     "BaseTaskBackend",
+    "FairKey",
     "InvalidTask",
     "InvalidTaskBackend",
     "Task",
@@ -49,6 +54,7 @@ __all__ = [
     "TaskResultDoesNotExist",
     "TaskResultMismatch",
     "TaskResultStatus",
+    "UniqueBy",
     "admin_action",
     "normalize_json",
     "task",

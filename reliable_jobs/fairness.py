@@ -21,11 +21,10 @@ from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import Any, Protocol
 
-from .compat import InvalidTask
+from .compat import FairKey, InvalidTask
 from .keys import FAIR_GROUP_RE
 
-#: What ``fair_key`` may be: a function of the call's arguments, or one argument's name.
-FairKey = Callable[..., Any] | str
+__all__ = ["FairKey", "FairTask", "as_group", "check_options", "group_for"]
 
 
 class FairTask(Protocol):

@@ -23,9 +23,8 @@ from django.dispatch import receiver
 from django.utils.module_loading import autodiscover_modules
 
 from . import fairness
-from .compat import InvalidTask, Task
-from .fairness import FairKey
-from .unique import UniqueBy, check_options
+from .compat import FairKey, InvalidTask, Task, UniqueBy
+from .unique import check_options
 
 _registry: dict[str, Task[..., Any]] = {}
 #: Paths lookup() already found allowed.

@@ -19,8 +19,8 @@ import redis
 
 from reliable_jobs import conf, fairness
 from reliable_jobs.backend import ReliableJobsBackend
+from reliable_jobs.backendchecks import with_ids
 from reliable_jobs.broker import Applied, Broker, NewJob
-from reliable_jobs.checks import with_ids
 from reliable_jobs.compat import InvalidTask, task, task_backends
 from reliable_jobs.models import Job
 from reliable_jobs.sweep import Sweep
@@ -395,7 +395,7 @@ def test_the_row_holds_the_group_and_a_rebuild_puts_the_job_back_in_it(
     backdate(first.id, *(r.id for r in many))
 
     # When reconcile rebuilds them from the mirror
-    assert Sweep(backend).reconcile().pushed == 4
+    assert Sweep(backend.parts).reconcile().pushed == 4
 
     # Then each is back in its group, and the groups take turns
     k = backend.broker.keys("default")
