@@ -105,6 +105,9 @@ class ClaimResult:
     remaining: int
     #: Non-zero priority bands the queue had in use (0: only priority 0).
     banded: int = 0
+    #: -1, or, when limits held back every job this claim could reach, how
+    #: long (ms) until one of them may let a job go (see flow.py).
+    hold_ms: int = -1
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,124 @@
+--[[
+  include flow_limit: rate limits and concurrency caps, checked and taken by
+  the claim (reliable_jobs/flow.py spells them; docs/design.md, "Flow control").
+
+  The including script names as locals before the include line: flow_prefix
+  (the queue's flow keys are flow_prefix .. 'log:' / 'run:' / 'held:' .. a
+  limit's wire name), holds_key, leases_key and now (ms, server clock).
+
+  A limit's wire name is 'r:' or 'c:' and its name (a task path, with '#'
+  and a digest of the call's key for a per-key limit); the queue's own rate
+  log is flow_prefix .. 'log:q'.
+
+  - A rate limit of n per window_ms is a sliding log: a sorted set of the
+    claims it admitted, scored by their time. A claim is admitted while
+    fewer than n entries are newer than now - window_ms, so no window of
+    window_ms on the server's clock ever holds more than n claims.
+  - A concurrency cap of n is a running set: a sorted set of the ids it
+    admitted. A member counts while its id is in leases (or was admitted by
+    this call, its lease written at the end), and is dropped as soon as a
+    look finds it gone: a slot is held exactly as long as the job's lease,
+    so a slot of a SIGKILLed worker comes back when the sweep recovers its
+    expired lease, and no ack, nack or release needs to know about caps.
+  - A job held by a limit waits on that limit's held list (oldest on the
+    right, as on queued); holds_key scores each limit with a held list by
+    the time (ms) it may let a job go. A job whose limit already holds
+    older jobs queues behind them, so each limit keeps its jobs in order.
+]]
+-- Run sets live this long past their last claim (a day): a capped job
+-- that runs longer than that after the last claim of its limit stops counting.
+local FLOW_RUN_TTL_MS = 86400000
+-- How soon a limit held by its cap (or the queue's cap) is looked at again.
+local FLOW_CAP_RECHECK_MS = 10
+-- Ids this call admitted (their leases are written when the call ends).
+local flow_admitted = {}
+
+-- A payload's "flow" member (flow.job_spec), or nil: one anchored match.
+local function flow_spec(payload)
+  if type(payload) ~= 'string' or string.byte(payload, 3) ~= 102 then
+    return nil
+  end
+  return string.match(payload, '^{"flow":"([^"]*)"')
+end
+
+-- The limits of a spec: { kind ('r' or 'c'), n, window_ms, wire name } each.
+local function flow_limits(spec)
+  local limits = {}
+  for kind, n, window, name in string.gmatch(spec, '([rc])/(%d+)/(%d+)/([^|]+)') do
+    limits[#limits + 1] = { kind, tonumber(n), tonumber(window), kind .. ':' .. name }
+  end
+  return limits
+end
+
+-- Claims in a rate log's window (older entries are dropped first).
+local function flow_rate_used(log_key, window_ms)
+  redis.call('ZREMRANGEBYSCORE', log_key, '-inf', now - window_ms)
+  return redis.call('ZCARD', log_key)
+end
+
+-- When the oldest claim in a rate log leaves its window (ms).
+local function flow_rate_free_at(log_key, window_ms)
+  local oldest = redis.call('ZRANGE', log_key, 0, 0, 'WITHSCORES')
+  return (tonumber(oldest[2]) or now) + window_ms
+end
+
+-- Record one admitted claim in a rate log.
+local function flow_rate_take(log_key, window_ms, job_id)
+  redis.call('ZADD', log_key, now, now .. ':' .. job_id)
+  redis.call('PEXPIRE', log_key, window_ms + 1000)
+end
+
+-- Jobs of a running set still running; members whose lease is gone are dropped.
+local function flow_running(run_key)
+  local n = 0
+  for _, member in ipairs(redis.call('ZRANGE', run_key, 0, -1)) do
+    if flow_admitted[member] or redis.call('ZSCORE', leases_key, member) then
+      n = n + 1
+    else
+      redis.call('ZREM', run_key, member)
+    end
+  end
+  return n
+end
+
+-- nil when every limit lets the job go now; else the wire name of the
+-- first that holds it and when (ms) that limit may be tried again. A limit
+-- with older jobs held (other than on own_wire, the list the job comes
+-- from) holds it behind them.
+local function flow_check(limits, own_wire)
+  for _, limit in ipairs(limits) do
+    local kind, n, window_ms, wire = limit[1], limit[2], limit[3], limit[4]
+    if wire ~= own_wire and redis.call('LLEN', flow_prefix .. 'held:' .. wire) > 0 then
+      return wire, now + FLOW_CAP_RECHECK_MS
+    end
+    if kind == 'r' then
+      local log_key = flow_prefix .. 'log:' .. wire
+      if flow_rate_used(log_key, window_ms) >= n then
+        return wire, flow_rate_free_at(log_key, window_ms)
+      end
+    elseif flow_running(flow_prefix .. 'run:' .. wire) >= n then
+      return wire, now + FLOW_CAP_RECHECK_MS
+    end
+  end
+  return nil
+end
+
+-- Take a slot of each limit for job_id (flow_check said yes).
+local function flow_take(limits, job_id)
+  for _, limit in ipairs(limits) do
+    if limit[1] == 'r' then
+      flow_rate_take(flow_prefix .. 'log:' .. limit[4], limit[3], job_id)
+    else
+      local run_key = flow_prefix .. 'run:' .. limit[4]
+      redis.call('ZADD', run_key, now, job_id)
+      redis.call('PEXPIRE', run_key, FLOW_RUN_TTL_MS)
+    end
+  end
+  flow_admitted[job_id] = true
+end
+
+-- Put job_id behind the jobs its limit holds; the limit may let one go at retry_ms.
+local function flow_hold(wire, job_id, retry_ms)
+  redis.call('LPUSH', flow_prefix .. 'held:' .. wire, job_id)
+  redis.call('ZADD', holds_key, 'LT', retry_ms, wire)
+end
