@@ -40,12 +40,13 @@ from .compat import (
     task_backends,
     task_enqueued,
 )
+from .flow import Limits, TaskFlow, task_flow
 from .keys import is_valid_queue_name
 from .newjobs import Calls, NewJobsBuilder
 from .reachability import ensure_reachable
 from .results import job_result
 from .signalwatch import SignalWatch
-from .tasks import ReliableTask, lookup
+from .tasks import ReliableTask, discover, lookup
 
 if TYPE_CHECKING:
     from .mirror import NewRow, UniqueRule
@@ -122,6 +123,33 @@ class ReliableJobsBackend(BaseTaskBackend):
 
     # -- per-task settings ---------------------------------------------
 
+    def task_flow(self, task: object, path: str) -> TaskFlow | None:
+        """The flow limits of ``task`` (None when unknown to this process), or None."""
+        return task_flow(task, path, self._task_limits)
+
+    def flow_of(self, path: str, args: list[Any], kwargs: dict[str, Any]) -> str:
+        """The flow spec a rebuilt job of ``path`` carries again (see mirror.rebuilt_job).
+
+        The task is looked up in this process's registry (workers and the
+        sweep discover every installed app's tasks); an unknown task is
+        rebuilt with its OPTIONS['TASK_OPTIONS'] limits only.
+        """
+        task = lookup(path)
+        if task is None:
+            discover()  # a staff process may not have imported the tasks modules yet
+            task = lookup(path)
+        flow = task_flow(task, path, self._task_limits)
+        if flow is None:
+            return ""
+        try:
+            return flow.spec(args, kwargs)
+        except ValueError:  # the key function now fails on these arguments: no key limit
+            return ""
+
+    @cached_property
+    def _task_limits(self) -> dict[str, Limits]:
+        return self.config.task_limits()
+
     def task_option(self, task: Task[..., Any], name: str) -> Any:
         """A task's own option, or the backend default (``timeout_ms`` -> TIMEOUT_MS)."""
         value = getattr(task, name, None)
@@ -166,7 +194,8 @@ class ReliableJobsBackend(BaseTaskBackend):
             task, calls, alias=self.alias, now=timezone.now(), trace=trace,
             max_attempts=self.task_option(task, "max_attempts"), keyed=rule is not None,
             max_bytes=self.config.MAX_PAYLOAD_BYTES,
-            shards=self.config.SHARDS.get(task.queue_name, 1))
+            shards=self.config.SHARDS.get(task.queue_name, 1),
+            flow=self.task_flow(task, task.module_path))
         rows: Iterable[NewRow] = build.rows()
         if rule is not None or len(calls) == 1:
             rows = list(rows)  # every call checked (and keyed) before the first write

@@ -184,7 +184,10 @@ class TaskFlow:
     concurrency_key: KeyFunction | None = None
 
     def spec(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
-        """The ``"flow"`` member of one call's payload (see :func:`job_spec`)."""
+        """The ``"flow"`` member of one call's payload (see :func:`job_spec`).
+
+        ValueError when a key function returns something JSON cannot hold.
+        """
         rate, cap = self.limits.rate, self.limits.concurrency
         parts = []
         if rate is not None:
@@ -217,9 +220,9 @@ def task_flow(task: object, path: str, overrides: Mapping[str, Limits]) -> TaskF
     OPTIONS['TASK_OPTIONS'] (``overrides``) wins over the task's own options
     for each limit it sets, so operators retune a task without a deploy.
     """
-    own = Limits(
-        parse_rate(task.rate_limit) if getattr(task, "rate_limit", None) is not None else None,
-        getattr(task, "concurrency", None))
+    rate_limit = getattr(task, "rate_limit", None)
+    own = Limits(parse_rate(rate_limit) if rate_limit is not None else None,
+                 getattr(task, "concurrency", None))
     override = overrides.get(path, NO_LIMITS)
     limits = Limits(override.rate or own.rate, override.concurrency or own.concurrency)
     if not limits:

