@@ -46,7 +46,7 @@ from .newjobs import Calls, NewJobsBuilder
 from .reachability import ensure_reachable
 from .results import job_result
 from .signalwatch import SignalWatch
-from .tasks import ReliableTask, discover, lookup
+from .tasks import ReliableTask, discover, lookup, registered_as
 
 if TYPE_CHECKING:
     from .mirror import NewRow, UniqueRule
@@ -134,10 +134,10 @@ class ReliableJobsBackend(BaseTaskBackend):
         sweep discover every installed app's tasks); an unknown task is
         rebuilt with its OPTIONS['TASK_OPTIONS'] limits only.
         """
-        task = lookup(path)
+        task = registered_as(path)
         if task is None:
             discover()  # a staff process may not have imported the tasks modules yet
-            task = lookup(path)
+            task = registered_as(path)
         flow = task_flow(task, path, self._task_limits)
         if flow is None:
             return ""

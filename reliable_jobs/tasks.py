@@ -103,6 +103,16 @@ def registered() -> list[Task[..., Any]]:
         return list(_registry.values())
 
 
+def registered_as(task_path: str) -> Task[..., Any] | None:
+    """The task registered for ``task_path`` in this process, or None; imports nothing.
+
+    For reading a task's options (a rebuild's flow limits), never for
+    running it: :func:`lookup` decides what a worker may run.
+    """
+    with _lock:
+        return _registry.get(task_path)
+
+
 def lookup(task_path: object) -> Task[..., Any] | None:
     """Return the task a worker may run for ``task_path``, or None; imports nothing.
 
