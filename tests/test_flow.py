@@ -38,7 +38,7 @@ def broker() -> Iterator[Broker]:
 
 
 def payload(spec: str = "") -> str:
-    return ('{"flow":"%s",' % spec + NO_FLOW[1:]) if spec else NO_FLOW
+    return '{"flow":"' + spec + '",' + NO_FLOW[1:] if spec else NO_FLOW
 
 
 def enqueue(broker: Broker, ids: list[str], spec: str = "", queue: str = Q) -> None:
