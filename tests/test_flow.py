@@ -307,9 +307,8 @@ def keyed_target(customer: int, note: str = "") -> int:
     return customer
 
 
-# (django-stubs' task() does not declare the options a backend's task_class adds.)
-capped = task(concurrency=3)(capped_target)  # type: ignore[call-arg]
-per_customer = task(rate_limit="10/s", rate_key=lambda customer, **_: customer)(  # type: ignore[call-arg]
+capped = task(concurrency=3)(capped_target)
+per_customer = task(rate_limit="10/s", rate_key=lambda customer, **_: customer)(
     keyed_target)
 
 
@@ -345,14 +344,14 @@ def payload_of(result: Any) -> str:
 
 def test_bad_task_options_are_refused_when_the_task_is_made() -> None:
     with pytest.raises(InvalidTask, match="rate"):
-        task(rate_limit="lots")(flow_target)  # type: ignore[call-arg]
+        task(rate_limit="lots")(flow_target)
     with pytest.raises(InvalidTask, match="no effect without concurrency"):
-        task(concurrency_key=lambda **_: 1)(flow_target)  # type: ignore[call-arg]
+        task(concurrency_key=lambda **_: 1)(flow_target)
 
 
 @pytest.mark.django_db(transaction=True)
 def test_a_key_that_is_not_json_is_an_invalid_task_at_enqueue(rj_settings: Any) -> None:
-    bad = task(concurrency=1, concurrency_key=lambda customer, **_: {customer})(  # type: ignore[call-arg]
+    bad = task(concurrency=1, concurrency_key=lambda customer, **_: {customer})(
         flow_target)
     with pytest.raises(InvalidTask, match="flow key"):
         bad.enqueue(1)

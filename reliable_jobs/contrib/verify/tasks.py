@@ -98,6 +98,19 @@ def chaos_job(context: TaskContext[[float, int, bool], float], seconds: float,
     return seconds
 
 
+#: The cap of :data:`flow_capped_job` (tests/test_flow_processes.py).
+FLOW_CAP = 5
+
+
+@task(backend=BACKEND, queue_name=first_queue(BACKEND), takes_context=True,
+      concurrency=FLOW_CAP, max_attempts=10)
+def flow_capped_job(context: TaskContext[[float], float], seconds: float) -> float:
+    """Sleep, recorded in the ledger: at most FLOW_CAP of these run at once, across workers."""
+    with ledger_run(context.task_result.id, context.attempt):
+        time.sleep(seconds)
+    return seconds
+
+
 # -- the benchmark ---------------------------------------------------------------
 
 def noop() -> None:
