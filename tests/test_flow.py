@@ -135,7 +135,7 @@ def test_a_moved_id_at_the_cap_goes_back_to_the_head_of_the_queue(broker: Broker
     assert broker.client.lrange(k.queued, 0, -1) == ["c", "b"]
 
 
-def test_a_queue_rate_admits_n_per_window_then_says_when(broker: Broker) -> None:
+def test_a_queue_rate_spaces_its_claims_and_says_when_the_next_may_go(broker: Broker) -> None:
     # Given 10 jobs on a queue limited to 3 per second
     enqueue(broker, [f"j{i}" for i in range(10)])
 
@@ -143,11 +143,22 @@ def test_a_queue_rate_admits_n_per_window_then_says_when(broker: Broker) -> None
     first = claim(broker, limits=(3, 1_000, 0))
     second = broker.claim(Q, count=10, lease_ms=LONG_LEASE_MS, limits=(3, 1_000, 0))
 
-    # Then 3 start; the second claim gets none and waits until the first
-    # claim's entries leave the window
-    assert first == ["j0", "j1", "j2"]
+    # Then one starts, and the next may go a third of a second later (less
+    # the pacing's tolerance), not in a burst of 3
+    assert first == ["j0"]
     assert second.jobs == []
-    assert 900 <= second.hold_ms <= 1_000
+    assert 333 - 20 - 5 <= second.hold_ms <= 334 - 20
+
+
+def test_a_fast_rate_admits_a_small_batch_within_its_tolerance(broker: Broker) -> None:
+    # Given a queue limited to 100 per second (one per 10 ms, 20 ms of tolerance)
+    enqueue(broker, [f"j{i}" for i in range(20)])
+
+    # When a worker claims a batch
+    got = claim(broker, 20, limits=(100, 1_000, 0))
+
+    # Then the tolerance's worth starts at once: 20 / 10 + 1
+    assert len(got) == 3
 
 
 def test_a_sliding_window_never_holds_more_than_n_on_the_server_clock(broker: Broker) -> None:
@@ -216,18 +227,22 @@ def test_per_key_limits_are_independent(broker: Broker) -> None:
 
 
 def test_a_job_with_a_rate_and_a_cap_needs_both(broker: Broker) -> None:
-    # Given jobs limited to 2 per second and 1 at a time
-    enqueue(broker, ["j0", "j1", "j2"], "r/2/1000/tests.t|c/1/0/tests.t")
+    # Given jobs limited to 2 per second (one per 500 ms) and 1 at a time
+    enqueue(broker, ["j0", "j1"], "c/1/0/tests.t|r/2/1000/tests.t")
 
-    # Then the cap holds the second; once it ends the rate still allows one
+    # Then the cap holds the second while the first runs
     assert claim(broker) == ["j0"]
+    held = broker.keys(Q).flow("held", "c:tests.t")
+    assert broker.client.lrange(held, 0, -1) == ["j1"]
+
+    # And once it ended, the rate still holds it until 500 ms after the first
     ack(broker, "j0")
     recheck()
-    assert claim(broker) == ["j1"]
-    ack(broker, "j1")
-    # and then the rate (2 per second) holds the third
-    held = broker.claim(Q, count=10, lease_ms=LONG_LEASE_MS)
-    assert held.jobs == [] and held.hold_ms > 500
+    moved = broker.claim(Q, count=10, lease_ms=LONG_LEASE_MS)
+    assert moved.jobs == [] and moved.hold_ms == -1  # moved to the rate's held list
+    assert broker.client.lrange(broker.keys(Q).flow("held", "r:tests.t"), 0, -1) == ["j1"]
+    blocked = broker.claim(Q, count=10, lease_ms=LONG_LEASE_MS)
+    assert blocked.jobs == [] and 430 <= blocked.hold_ms <= 480
 
 
 def test_a_killed_workers_slot_comes_back_when_recover_takes_its_expired_lease(
@@ -288,8 +303,9 @@ def test_limit_use_reports_running_recent_and_held(broker: Broker) -> None:
     enqueue(broker, ["a", "b", "c"], "r/10/1000/tests.t|c/1/0/tests.t")
     assert claim(broker) == ["a"]
     use = broker.limit_use(Q, [("q", 1_000), ("r:tests.t", 1_000), ("c:tests.t", 0)])
-    assert [(u.running, u.recent, u.held) for u in use] == [(1, 0, 0), (0, 1, 0), (1, 0, 2)]
-    assert broker.held_back(Q) == {"c:tests.t": 2}
+    # (the rate's pacing, one per 100 ms, holds b and c before the cap is looked at)
+    assert [(u.running, u.recent, u.held) for u in use] == [(1, 0, 0), (0, 1, 2), (1, 0, 0)]
+    assert broker.held_back(Q) == {"r:tests.t": 2}
 
 
 # -- through Django's API ------------------------------------------------------------------

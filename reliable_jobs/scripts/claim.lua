@@ -16,8 +16,8 @@
                              modulo share_every (the fair share's turn)
   KEYS[10] strays     zset   id -> copies reprioritize.lua left on a band
   KEYS[11] paused     string reserved for pause/resume (not read here yet)
-  KEYS[12] flow prefix string a limit's keys are KEYS[12] .. 'log:' / 'run:' /
-                             'held:' .. its wire name (include flow_limit)
+  KEYS[12] flow prefix string a limit's keys are KEYS[12] .. 'log:' / 'tat:' /
+                             'run:' / 'held:' .. its wire name (include flow_limit)
   KEYS[13] holds      zset   wire name of a limit with a held list -> when
                              (ms) it may let a job go
 
@@ -41,7 +41,8 @@
   ARGV[8] queue_cap    the queue's concurrency cap (its leases), 0 for none
 
   Flow control (docs/design.md): the queue's cap counts its leases, its rate
-  a sliding log of claims; allowance = min(count, cap - leases, rate - log).
+  a sliding log of claims, paced; allowance = min(count, cap - leases, the
+  rate's room now).
   At no allowance nothing is taken (a moved id goes back to the head of
   queued). Limits due again in holds are served first, from their held
   lists; then the bands as above. A job whose payload names limits (a task's
@@ -186,11 +187,12 @@ if queue_cap > 0 then
   end
 end
 if queue_rate > 0 then
-  local free = queue_rate - flow_rate_used(queue_wire, queue_window_ms)
-  if free < allowance then
-    allowance = math.max(free, 0)
-    local at = flow_rate_free_at(queue_wire, queue_window_ms)
-    queue_free_at = math.min(queue_free_at or at, at)
+  local room, at = flow_rate_room(queue_wire, queue_rate, queue_window_ms)
+  if room < allowance then
+    allowance = room
+    if room == 0 then
+      queue_free_at = math.min(queue_free_at or at, at)
+    end
   end
 end
 if allowance == 0 and #ids > 0 then
@@ -406,7 +408,7 @@ for index, job_id in ipairs(ids) do
     else
       attempts = attempts + 1
       if queue_rate > 0 then
-        flow_rate_take(queue_wire, queue_window_ms, job_id)
+        flow_rate_take(queue_wire, queue_rate, queue_window_ms, job_id)
       end
       redis.call('HSET', job_key, 'state', 'running', 'attempts', attempts, 'gen', gen,
         'started_ms', now)

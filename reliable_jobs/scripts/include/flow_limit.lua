@@ -3,8 +3,8 @@
   the claim (reliable_jobs/flow.py spells them; docs/design.md, "Flow control").
 
   The including script names as locals before the include line: flow_prefix
-  (the queue's flow keys are flow_prefix .. 'log:' / 'run:' / 'held:' .. a
-  limit's wire name), holds_key, leases_key and now (ms, server clock).
+  (the queue's flow keys are flow_prefix .. 'log:' / 'tat:' / 'run:' /
+  'held:' .. a limit's wire name), holds_key, leases_key and now (ms, server clock).
 
   A limit's wire name is 'r:' or 'c:' and its name (a task path, with '#'
   and a digest of the call's key for a per-key limit); the queue's own rate
@@ -13,7 +13,8 @@
   - A rate limit of n per window_ms is a sliding log: a sorted set of the
     claims it admitted, scored by their time. A claim is admitted while
     fewer than n entries are newer than now - window_ms, so no window of
-    window_ms on the server's clock ever holds more than n claims.
+    window_ms on the server's clock ever holds more than n claims; and
+    paced (flow_rate_room), so they are spread over the window.
   - A concurrency cap of n is a running set: a sorted set of the ids it
     admitted. A member counts while its id is in leases (or was admitted by
     this call, its lease written at the end), and is dropped as soon as a
@@ -30,6 +31,10 @@
 local FLOW_RUN_TTL_MS = 86400000
 -- How soon a limit held by its cap (or the queue's cap) is looked at again.
 local FLOW_CAP_RECHECK_MS = 10
+-- How far ahead of its pacing a rate limit may admit a claim, in ms: a
+-- worker that claims a little late (its sleep, the network) catches up
+-- instead of losing rate; the sliding log still caps every window.
+local FLOW_RATE_TOLERANCE_MS = 20
 -- Ids this call admitted (their leases are written when the call ends).
 local flow_admitted = {}
 
@@ -58,16 +63,43 @@ local function flow_rate_used(wire, window_ms)
   return redis.call('ZCARD', flow_prefix .. 'log:' .. wire)
 end
 
--- When the oldest claim in a rate log leaves its window (ms).
-local function flow_rate_free_at(wire, window_ms)
-  local oldest = redis.call('ZRANGE', flow_prefix .. 'log:' .. wire, 0, 0, 'WITHSCORES')
-  return (tonumber(oldest[2]) or now) + window_ms
+-- How many claims a rate limit of n per window_ms admits now, and, when
+-- none, when (ms) it may admit one. Two rules, both on the server clock:
+-- the sliding log (never more than n in any window: the hard limit), and
+-- pacing (a GCRA whose theoretical arrival time, flow_prefix .. 'tat:' ..
+-- wire, moves window_ms / n per claim, with FLOW_RATE_TOLERANCE_MS of
+-- tolerance), so the n claims of a window are spread over it instead of
+-- going in one burst that a clock other than the server's (a worker's)
+-- would see straddle two windows.
+local function flow_rate_room(wire, n, window_ms)
+  local room = n - flow_rate_used(wire, window_ms)
+  local free_at = nil
+  if room <= 0 then
+    local oldest = redis.call('ZRANGE', flow_prefix .. 'log:' .. wire, 0, 0, 'WITHSCORES')
+    free_at = (tonumber(oldest[2]) or now) + window_ms
+    room = 0
+  end
+  local step = window_ms / n
+  local tolerance = math.min(FLOW_RATE_TOLERANCE_MS, window_ms)
+  local tat = math.max(tonumber(redis.call('GET', flow_prefix .. 'tat:' .. wire)) or now, now)
+  local paced = math.floor((now + tolerance - tat) / step) + 1
+  if paced < room then
+    room = math.max(paced, 0)
+  end
+  if room == 0 then
+    local at = math.ceil(tat - tolerance)
+    free_at = math.max(free_at or at, at)
+  end
+  return room, free_at
 end
 
--- Record one admitted claim in a rate log.
-local function flow_rate_take(wire, window_ms, job_id)
+-- Record one admitted claim: an entry in the log, the pacing time moved on.
+local function flow_rate_take(wire, n, window_ms, job_id)
   redis.call('ZADD', flow_prefix .. 'log:' .. wire, now, now .. ':' .. job_id)
   redis.call('PEXPIRE', flow_prefix .. 'log:' .. wire, window_ms + 1000)
+  local tat = math.max(tonumber(redis.call('GET', flow_prefix .. 'tat:' .. wire)) or now, now)
+  redis.call('SET', flow_prefix .. 'tat:' .. wire, tostring(tat + window_ms / n), 'PX',
+    window_ms + 1000)
 end
 
 -- Jobs of a cap's running set still running; members whose lease is gone are dropped.
@@ -94,8 +126,9 @@ local function flow_check(limits, own_wire)
       return wire, now + FLOW_CAP_RECHECK_MS
     end
     if kind == 'r' then
-      if flow_rate_used(wire, window_ms) >= n then
-        return wire, flow_rate_free_at(wire, window_ms)
+      local room, free_at = flow_rate_room(wire, n, window_ms)
+      if room < 1 then
+        return wire, free_at
       end
     elseif flow_running(wire) >= n then
       return wire, now + FLOW_CAP_RECHECK_MS
@@ -109,7 +142,7 @@ local function flow_take(limits, job_id)
   for _, limit in ipairs(limits) do
     local wire = limit[4]
     if limit[1] == 'r' then
-      flow_rate_take(wire, limit[3], job_id)
+      flow_rate_take(wire, limit[2], limit[3], job_id)
     else
       redis.call('ZADD', flow_prefix .. 'run:' .. wire, now, job_id)
       redis.call('PEXPIRE', flow_prefix .. 'run:' .. wire, FLOW_RUN_TTL_MS)
