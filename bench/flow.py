@@ -98,7 +98,8 @@ def rate(args: argparse.Namespace) -> None:
     poller = threading.Thread(target=poll, daemon=True)
     poller.start()
     env = child_env(options)
-    with tempfile.TemporaryDirectory() as logs:
+    logs = args.logs or tempfile.mkdtemp(prefix="flowbench-")
+    if True:
         procs = [subprocess.Popen(
             [sys.executable, str(ROOT / "manage.py"), "runworker", "--concurrency",
              str(args.threads), "--queue", QUEUE],
@@ -115,7 +116,7 @@ def rate(args: argparse.Namespace) -> None:
             for proc in procs:
                 proc.send_signal(signal.SIGTERM)
             for proc in procs:
-                proc.wait(timeout=60)
+                proc.wait(timeout=90)
             stop.set()
             poller.join()
     server = sorted(seen.values())
@@ -184,6 +185,8 @@ def main() -> None:
     one.add_argument("--warmup", type=int, default=2)
     one.add_argument("--processes", type=int, default=4)
     one.add_argument("--threads", type=int, default=8)
+    one.add_argument("--logs", default=None, help="folder for the workers' logs (default: a "
+                     "new temporary folder)")
     one.add_argument("--histogram", action="store_true",
                      help="print claims per 100 ms for the first 6 s on each clock")
     two = sub.add_parser("drain", help="a queue without limits, against main, interleaved")

@@ -10,18 +10,23 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from redis.crc import key_slot
 
+from reliable_jobs.broker import Broker, NewJob
 from reliable_jobs.compat import task_backends
 from reliable_jobs.contrib.verify.chaos_ledger import LEDGER_ENV, Run, read_ledger
 from reliable_jobs.contrib.verify.tasks import FLOW_CAP, chaos_job, flow_capped_job
+from reliable_jobs.keys import QueueKeys
 from reliable_jobs.models import Job, JobState
 from tests.conftest import FAST_OPTIONS
 
 from .helpers import Processes, wait_until
+from .redis_cluster import RedisClusterHarness
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
@@ -106,3 +111,61 @@ def test_a_killed_workers_slots_are_free_within_lease_and_sweep_interval(
     wait_until(lambda: all_succeeded(FLOW_CAP + 1), timeout=60, message="every job to succeed")
     assert most_at_once(read_ledger(ledger).runs, {holder.pid: killed_at}) == FLOW_CAP
     processes.stop(waiter)
+
+
+# -- Redis Cluster ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterHarness]:
+    harness = RedisClusterHarness(tmp_path_factory.mktemp("cluster"), masters=3)
+    harness.start()
+    try:
+        yield harness
+    finally:
+        harness.stop()
+
+
+def test_on_a_cluster_limits_are_global_per_queue_and_never_shared_between_queues(
+        cluster: RedisClusterHarness) -> None:
+    # Given two queues on different masters, and two brokers (two workers' connections)
+    cluster.client().flushall()
+    queues = ["default", "emails"]
+    assert cluster.master_port_of(QueueKeys("rj", "default").queued) != cluster.master_port_of(
+        QueueKeys("rj", "emails").queued)
+    one, two = Broker(cluster.url, "rj"), Broker(cluster.url, "rj")
+    try:
+        # Every flow key of a queue, a per-key limit's included, is in the queue's slot
+        for queue in queues:
+            k = QueueKeys("rj", queue)
+            wire = "c:app.tasks.send#0123456789abcdef"
+            keys = [k.queued, k.leases, k.holds, k.flow("log", "q"), k.flow("tat", wire),
+                    k.flow("run", wire), k.flow("held", wire), k.flow("log", wire)]
+            assert len({key_slot(key.encode()) for key in keys}) == 1
+
+        # When each queue gets 6 jobs, each capped by one task limit (cap 2), and
+        # both workers claim from both queues with a queue cap of 3 as well
+        spec = "c/2/0/app.tasks.send"
+        text = '{"flow":"' + spec + '","task":"app.tasks.send","args":[],"kwargs":{}}'
+        for queue in queues:
+            one.enqueue(queue, [NewJob(f"{queue}-{i}", text, 3) for i in range(6)])
+        running: dict[str, list[str]] = {q: [] for q in queues}
+        for broker in (one, two, one, two):
+            for queue in queues:
+                result = broker.claim(queue, count=5, lease_ms=60_000, limits=(0, 0, 3))
+                running[queue] += [j.id for j in result.jobs]
+
+        # Then the task's cap holds across both workers on each queue (2 each),
+        # and each queue enforces it alone: 2 run on each, 4 in all
+        assert {q: len(ids) for q, ids in running.items()} == {"default": 2, "emails": 2}
+        assert one.counts("default").held == 4 and two.counts("emails").held == 4
+
+        # And the queue's own cap (3) counts every job of the queue, from either worker
+        plain = '{"task":"app.tasks.other","args":[],"kwargs":{}}'
+        one.enqueue("default", [NewJob(f"plain-{i}", plain, 3) for i in range(5)])
+        got = [j.id for b in (two, one) for j in
+               b.claim("default", count=5, lease_ms=60_000, limits=(0, 0, 3)).jobs]
+        assert got == ["plain-0"]
+    finally:
+        one.close()
+        two.close()
