@@ -43,8 +43,9 @@ PREFIX = "rjflowbench"
 
 def child_env(options: dict[str, Any]) -> dict[str, str]:
     env = dict(os.environ)
-    env.update({"RJ_QUEUES": f"default,{QUEUE}", "RJ_PREFIX": PREFIX, "RJ_OPTIONS": json.dumps(options),
-                "PYTHONUNBUFFERED": "1", "RJ_LOG_LEVEL": "WARNING"})
+    env.update({"RJ_QUEUES": f"default,{QUEUE}", "RJ_PREFIX": PREFIX,
+                "RJ_OPTIONS": json.dumps(options), "PYTHONUNBUFFERED": "1",
+                "RJ_LOG_LEVEL": "WARNING"})
     return env
 
 

@@ -124,8 +124,9 @@ class QueueKeys:
         """A limit's keys are ``flow_prefix + kind + ':' + wire name`` (see flow.py).
 
         ``log:<wire>`` (sorted set, a rate limit's sliding log of claims),
-        ``tat:<wire>`` (string, its pacing), ``run:<wire>`` (sorted set, a cap's admitted ids), ``held:<wire>``
-        (list, the jobs the limit holds back); ``log:q`` is the queue's own
+        ``tat:<wire>`` (string, its pacing), ``run:<wire>`` (sorted set, a
+        cap's admitted ids), ``held:<wire>`` (list, the jobs the limit holds
+        back); ``log:q`` is the queue's own
         rate log. Scripts receive it as a KEYS entry, like :attr:`job_prefix`.
         """
         return f"{self.base}:flow:"
