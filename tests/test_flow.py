@@ -11,10 +11,12 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator
+from io import StringIO
 from typing import Any
 
 import pytest
 from django.core import checks
+from django.core.management import call_command
 
 from reliable_jobs import flow, mirror
 from reliable_jobs.backend import ReliableJobsBackend
@@ -451,3 +453,43 @@ def test_good_limits_raise_no_flow_check(rj_settings: Any) -> None:
     ids = check_ids(rj_settings, QUEUE_LIMITS={"default": {"rate_limit": "5/s"}},
                     TASK_OPTIONS={"testproject.demo.tasks.noop": {"concurrency": 2}})
     assert not {"reliable_jobs.E017", "reliable_jobs.E018", "reliable_jobs.E019"} & set(ids)
+
+
+# -- the dashboard and jobstats ----------------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_dashboard_and_jobstats_show_each_limits_use(rj_settings: Any, admin_client: Any
+                                                         ) -> None:
+    # Given a queue with a cap of 4 and a rate, running a plain job and two
+    # jobs of a task capped at 2, which holds back its third
+    rj_settings(QUEUE_LIMITS={"default": {"concurrency": 4, "rate_limit": "1000/s"}})
+    from testproject.demo import tasks as demo
+
+    demo.noop.enqueue()
+    demo.capped_add.enqueue(1, 2)
+    demo.capped_add.enqueue(3, 4)
+    demo.capped_add.enqueue(5, 6)
+    backend = task_backends["default"]
+    assert isinstance(backend, ReliableJobsBackend)
+    claimed = backend.broker.claim("default", count=10, lease_ms=LONG_LEASE_MS,
+                                   limits=(1_000, 1_000, 4))
+    assert len(claimed.jobs) == 3
+
+    # When staff look
+    from reliable_jobs.dashboard import snapshot
+
+    lines = {(line.scope, line.kind, line.name): line for line in snapshot(backend).limits}
+    page = admin_client.get("/admin/reliable_jobs/job/dashboard/default/").content.decode()
+    out = StringIO()
+    call_command("jobstats", stdout=out)
+
+    # Then each limit shows its running jobs or recent claims, and what it holds back
+    cap = lines[("task", "concurrency", demo.capped_add.module_path)]
+    assert (cap.running, cap.limit, cap.held) == (2, "2", 1)
+    queue_cap = lines[("queue", "concurrency", "default")]
+    assert (queue_cap.running, queue_cap.limit, queue_cap.held) == (3, "4", 0)
+    assert lines[("queue", "rate", "default")].recent == 3
+    assert 'id="rj-limits"' in page and demo.capped_add.module_path in page
+    assert f"task {demo.capped_add.module_path}  concurrency  running 2/2  held back 1" in (
+        out.getvalue())
