@@ -158,6 +158,7 @@ def drain(args: argparse.Namespace) -> None:
                        shell=True, check=True)
         trees = {args.ref: Path(snapshot), "this tree": ROOT}
         rates: dict[str, list[float]] = {name: [] for name in trees}
+        cpu: dict[str, list[float]] = {name: [] for name in trees}
         env = child_env({})
         for run in range(args.runs):
             for name, tree in (trees.items() if run % 2 == 0 else reversed(trees.items())):
@@ -169,12 +170,17 @@ def drain(args: argparse.Namespace) -> None:
                     env={**env, "PYTHONPATH": str(tree)}, cwd=tree, capture_output=True,
                     text=True, check=True, timeout=1_800).stdout
                 found = re.search(r"^drain \(1 process\)\s+([\d,]+) jobs/s", out, re.MULTILINE)
-                assert found, out
+                used = re.search(r"^drain CPU µs/job\s+([\d,]+)", out, re.MULTILINE)
+                assert found and used, out
                 rates[name].append(float(found[1].replace(",", "")))
-                print(f"run {run + 1} {name}: {rates[name][-1]:,.0f} jobs/s", flush=True)
+                cpu[name].append(float(used[1].replace(",", "")))
+                print(f"run {run + 1} {name}: {rates[name][-1]:,.0f} jobs/s, "
+                      f"{cpu[name][-1]:.0f} µs CPU/job", flush=True)
     base, ours = (statistics.median(rates[n]) for n in trees)
+    base_cpu, our_cpu = (statistics.median(cpu[n]) for n in trees)
     print(f"median drain, {args.jobs:,} jobs, {args.runs} runs each, interleaved: {args.ref} "
-          f"{base:,.0f}/s, this tree {ours:,.0f}/s ({ours / base - 1:+.1%})")
+          f"{base:,.0f}/s, this tree {ours:,.0f}/s ({ours / base - 1:+.1%}); worker CPU per "
+          f"job {base_cpu:.0f} µs vs {our_cpu:.0f} µs ({our_cpu / base_cpu - 1:+.1%})")
 
 
 def main() -> None:
