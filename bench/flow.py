@@ -10,6 +10,11 @@
   witness). It prints the mean rate over the measured span and the busiest
   sliding 1-window on each clock.
 
+``python bench/flow.py claimcost --jobs 50000 --runs 5``
+  the claim script's CPU on a private redis-server per claimed job (Redis's
+  own ``commandstats``), batches of 100 from a queue without limits, this
+  tree against ``main``: less noisy than a drain on a shared machine.
+
 ``python bench/flow.py drain --jobs 20000 --runs 3``
   the drain of a queue with no limits, this tree against ``main``
   interleaved (``manage.py benchjobs`` from each, one after the other), so a
@@ -183,6 +188,65 @@ def drain(args: argparse.Namespace) -> None:
           f"job {base_cpu:.0f} µs vs {our_cpu:.0f} µs ({our_cpu / base_cpu - 1:+.1%})")
 
 
+#: Run in a child whose sys.path starts with one tree: claim N jobs in batches of 100 on a
+#: private server, print the server's CPU per claimed job for the claim script (commandstats).
+CLAIM_COST = """
+import sys
+from reliable_jobs.broker import Broker, NewJob
+url, jobs = sys.argv[1], int(sys.argv[2])
+b = Broker(url, "cost")
+b.client.flushdb()
+payload = '{"task":"myapp.tasks.noop","args":[],"kwargs":{}}'
+for start in range(0, jobs, 1000):
+    b.enqueue("q", [NewJob(f"j{i}", payload, 3) for i in range(start, min(start + 1000, jobs))])
+b.client.config_resetstat()
+claimed = 0
+while True:
+    got = len(b.claim("q", count=100, lease_ms=60_000).jobs)
+    if not got:
+        break
+    claimed += got
+stats = b.client.info("commandstats")
+usec = sum(v["usec"] for k, v in stats.items() if k.startswith("cmdstat_evalsha"))
+print(usec / claimed)
+"""
+
+
+def claim_cost(args: argparse.Namespace) -> None:
+    """The claim script's CPU on the Redis server per job, this tree against main."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
+                               "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    try:
+        time.sleep(0.5)
+        with tempfile.TemporaryDirectory() as snapshot:
+            subprocess.run(f"git -C {ROOT} archive {args.ref} | tar -x -C {snapshot}",
+                           shell=True, check=True)
+            trees = {args.ref: Path(snapshot), "this tree": ROOT}
+            cost: dict[str, list[float]] = {name: [] for name in trees}
+            for run in range(args.runs):
+                for name, tree in (trees.items() if run % 2 == 0
+                                   else reversed(trees.items())):
+                    out = subprocess.run(
+                        [sys.executable, "-c", CLAIM_COST, f"redis://127.0.0.1:{port}/0",
+                         str(args.jobs)], env={**os.environ, "PYTHONPATH": str(tree)},
+                        cwd=tree, capture_output=True, text=True, check=True).stdout
+                    cost[name].append(float(out.strip()))
+                    print(f"run {run + 1} {name}: {cost[name][-1]:.2f} µs per claimed job",
+                          flush=True)
+        base, ours = (statistics.median(cost[n]) for n in trees)
+        print(f"claim script CPU on Redis per job (batches of 100, {args.jobs:,} jobs, median "
+              f"of {args.runs}): {args.ref} {base:.2f} µs, this tree {ours:.2f} µs "
+              f"({ours / base - 1:+.1%})")
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -200,8 +264,13 @@ def main() -> None:
     two.add_argument("--jobs", type=int, default=20_000)
     two.add_argument("--runs", type=int, default=3)
     two.add_argument("--ref", default="main")
+    three = sub.add_parser("claimcost", help="the claim script's Redis CPU per job, against "
+                           "main, on a private redis-server")
+    three.add_argument("--jobs", type=int, default=50_000)
+    three.add_argument("--runs", type=int, default=5)
+    three.add_argument("--ref", default="main")
     args = parser.parse_args()
-    rate(args) if args.command == "rate" else drain(args)
+    {"rate": rate, "drain": drain, "claimcost": claim_cost}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -401,7 +401,9 @@ for index, job_id in ipairs(ids) do
       dead[#dead + 1] = job_id
       dead[#dead + 1] = attempts
       dead[#dead + 1] = gen
-    elseif not (admitted[index] or flow_admit(job_id, job[4])) then
+    elseif job[4] and string.byte(job[4], 3) == 102 and not admitted[index]
+        and not flow_admit(job_id, job[4]) then
+      -- (byte 3 is the 'f' of a payload that opens with its limits: flow_spec)
       -- Held by one of its limits (flow_admit put it on that limit's held
       -- list): still queued, its attempt untouched.
       held_moved = held_moved + 1
