@@ -337,6 +337,15 @@ def test_a_claim_does_bounded_work_however_many_limited_jobs_wait_ahead(
     assert found and calls == 51
 
 
+def test_limits_no_enqueue_writes_are_ignored_not_held_for_ever(broker: Broker) -> None:
+    # Given payloads someone wrote by hand: a cap of 0, a rate with no window
+    enqueue(broker, ["zero"], "c/0/0/tests.t")
+    enqueue(broker, ["nowindow"], "r/5/0/tests.t")
+
+    # Then they run, as if unlimited
+    assert claim(broker) == ["zero", "nowindow"]
+
+
 # -- the admin's view ---------------------------------------------------------------------
 
 

@@ -47,10 +47,15 @@ local function flow_spec(payload)
 end
 
 -- The limits of a spec: { kind ('r' or 'c'), n, window_ms, wire name } each.
+-- A limit flow.py would never write (a count of 0, a rate with no window)
+-- is ignored rather than holding its jobs for ever.
 local function flow_limits(spec)
   local limits = {}
   for kind, n, window, name in string.gmatch(spec, '([rc])/(%d+)/(%d+)/([^|]+)') do
-    limits[#limits + 1] = { kind, tonumber(n), tonumber(window), kind .. ':' .. name }
+    n, window = tonumber(n), tonumber(window)
+    if n >= 1 and n <= 4503599627370496 and (kind == 'c' or window >= 1) then
+      limits[#limits + 1] = { kind, n, window, kind .. ':' .. name }
+    end
   end
   return limits
 end
