@@ -20,6 +20,7 @@ from redis.crc import key_slot
 from reliable_jobs.broker import Broker, NewJob
 from reliable_jobs.compat import task_backends
 from reliable_jobs.contrib.verify.chaos_ledger import LEDGER_ENV, Run, read_ledger
+from reliable_jobs.contrib.verify.chaos_ledger import most_at_once as ledger_most_at_once
 from reliable_jobs.contrib.verify.tasks import FLOW_CAP, chaos_job, flow_capped_job
 from reliable_jobs.keys import QueueKeys
 from reliable_jobs.models import Job, JobState
@@ -27,21 +28,15 @@ from tests.conftest import FAST_OPTIONS
 
 from .helpers import Processes, wait_until
 from .redis_cluster import RedisClusterHarness
+from .test_chaos_run import table_value
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
 
 def most_at_once(runs: list[Run], deaths: dict[int, float]) -> int:
     """The most runs alive at one moment; a run without an end lived until its process died."""
-    events: list[tuple[float, int]] = []
-    for run in runs:
-        end = run.end if run.end is not None else deaths[run.pid]
-        events += [(run.start, 1), (end, -1)]
-    alive = most = 0
-    for _, step in sorted(events, key=lambda e: (e[0], e[1])):  # an end before a start at a tie
-        alive += step
-        most = max(most, alive)
-    return most
+    return ledger_most_at_once([(run.start, run.end if run.end is not None
+                                 else deaths[run.pid]) for run in runs])
 
 
 def all_succeeded(count: int) -> bool:
@@ -169,3 +164,26 @@ def test_on_a_cluster_limits_are_global_per_queue_and_never_shared_between_queue
     finally:
         one.close()
         two.close()
+
+
+def test_the_chaos_run_under_a_cap_never_runs_more_than_the_cap(
+        rj_settings: Any, processes: Processes) -> None:
+    # Given the chaos run's job under a cap of 5 (flow_capped_job), 4 workers
+    # with 8 threads, one SIGKILLed every 1.5 s, planned failures and give-ups
+    env = rj_settings()
+    chaos = processes.manage(
+        "chaosjobs", "--task", "reliable_jobs.contrib.verify.tasks.flow_capped_job",
+        "--jobs", "200", "--workers", "4", "--concurrency", "8", "--kill-every", "1.5",
+        "--duration", "6", "--task-ms", "100", "--drain-timeout", "90", "--fail-percent", "5",
+        "--give-up-percent", "2", "--seed", "11", env=env)
+    code = chaos.wait(timeout=180)
+    output = processes.log(chaos)
+
+    # Then nothing is lost, the ledger is clean, workers were killed mid-job,
+    # and never more than 5 ran at once
+    assert code == 0, output
+    assert table_value(output, "lost (must be 0)") == "0"
+    assert table_value(output, "ran concurrently (must be 0)") == "0", output
+    assert int(table_value(output, "workers killed (SIGKILL)")) >= 2
+    assert table_value(output, "most runs at once (a concurrency cap bounds it)") == str(
+        FLOW_CAP), output
