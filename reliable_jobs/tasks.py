@@ -15,7 +15,7 @@ data, not code, and a path is only ever a dictionary key here.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,9 +24,9 @@ from django.core.signals import setting_changed
 from django.dispatch import receiver
 from django.utils.module_loading import autodiscover_modules
 
-from .compat import InvalidTask, Task
-from .flow import check_task_options
-from .unique import UniqueBy, check_options
+from .compat import InvalidTask, Task, UniqueBy
+from .flow import Limits, check_task_options, task_flow
+from .unique import check_options
 
 _registry: dict[str, Task[..., Any]] = {}
 #: Paths lookup() already found allowed.
@@ -111,6 +111,28 @@ def registered_as(task_path: str) -> Task[..., Any] | None:
     """
     with _lock:
         return _registry.get(task_path)
+
+
+def rebuilt_flow(path: str, args: list[Any], kwargs: dict[str, Any], *,
+                 overrides: Mapping[str, Limits]) -> str:
+    """The flow spec a rebuilt job of ``path`` carries again (see mirror.rebuilt_job).
+
+    The task is looked up in this process's registry (workers and the sweep
+    discover every installed app's tasks); an unknown task is rebuilt with
+    its OPTIONS['TASK_OPTIONS'] limits (``overrides``) only, and a key
+    function that now fails on the call's arguments gives no key limit.
+    """
+    task = registered_as(path)
+    if task is None:
+        discover()  # a staff process may not have imported the tasks modules yet
+        task = registered_as(path)
+    flow = task_flow(task, path, overrides)
+    if flow is None:
+        return ""
+    try:
+        return flow.spec(args, kwargs)
+    except ValueError:
+        return ""
 
 
 def lookup(task_path: object) -> Task[..., Any] | None:

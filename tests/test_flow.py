@@ -397,7 +397,7 @@ def test_a_limited_tasks_payload_names_its_limits_and_a_rebuild_keeps_them(
 
     # And a rebuild from the mirror spells them again
     row = Job.objects.get(pk=keyed.id)
-    rebuilt = mirror.rebuilt_job(row, max_attempts=3, flow=backend.flow_of)
+    rebuilt = mirror.rebuilt_job(row, max_attempts=3, flow=backend.parts.flow_of)
     assert flow.job_spec(rebuilt.payload) == spec
 
 
