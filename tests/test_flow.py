@@ -434,7 +434,7 @@ def check_ids(rj_settings: Any, **options: Any) -> list[str]:
     rj_settings(**options)
     backend = task_backends["default"]
     assert isinstance(backend, ReliableJobsBackend)
-    from reliable_jobs.checks import check_backend
+    from reliable_jobs.backendchecks import check_backend
 
     return sorted(m.id for m in check_backend(backend) if m.level >= checks.ERROR and m.id)
 
