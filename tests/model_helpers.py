@@ -703,7 +703,8 @@ class QueueMachine(RuleBasedStateMachine):
         job_id = self.jobs[index % len(self.jobs)]
         with self.slowly(slow_push):
             done = self.staff_commit(job_id, commit_fails,
-                                     lambda: getattr(staff, action)(self.backend, job_id).done)
+                                     lambda: getattr(staff, action)(self.backend.parts,
+                                                                    job_id).done)
         if not done:
             return
         if action == "cancel":
