@@ -5,7 +5,10 @@ claim that could do nothing because of them says how long until one may let
 a job go (``ClaimResult.hold_ms``). The main thread then sleeps that long
 (at most ``max_wait_s``, and wakes early when one of its own jobs ends)
 instead of claiming in a busy loop or blocking on a list whose jobs it may
-not take yet.
+not take yet. A cap's hold is only a guess (an ack in another process frees
+a slot without telling anyone), so while a queue stays held its waits double
+from the script's hint up to ``BACKOFF_MAX_S``: a cap full for minutes costs
+a few claim calls a second per worker, not a hundred.
 """
 
 from __future__ import annotations
@@ -15,6 +18,10 @@ from collections.abc import Callable
 
 from ..flow import Limits
 from ..keys import logical_queue
+
+#: Longest wait a run of futile claims on one queue backs off to, in seconds
+#: (unless the script's own hint, a rate's next slot, is later).
+BACKOFF_MAX_S = 0.05
 
 
 class FlowHolds:
@@ -28,6 +35,8 @@ class FlowHolds:
         self._args: dict[str, tuple[int, int, int]] = {}
         #: Physical queue -> clock() time before which claiming from it is futile.
         self._until: dict[str, float] = {}
+        #: Physical queue -> the last wait it was given, for the back-off.
+        self._last_s: dict[str, float] = {}
 
     def claim_args(self, queue: str) -> tuple[int, int, int]:
         """The queue's limits as claim.lua takes them (ARGV[6..8])."""
@@ -40,8 +49,13 @@ class FlowHolds:
         """What a claim on ``queue`` said: -1 (no hold) or how long its limits hold."""
         if hold_ms < 0:
             self._until.pop(queue, None)
-        else:
-            self._until[queue] = self._clock() + hold_ms / 1000
+            self._last_s.pop(queue, None)
+            return
+        hint_s = hold_ms / 1000
+        last_s = self._last_s.get(queue)
+        wait_s = hint_s if last_s is None else max(hint_s, min(last_s * 2, BACKOFF_MAX_S))
+        self._last_s[queue] = max(wait_s, 0.001)
+        self._until[queue] = self._clock() + wait_s
 
     def wait_s(self) -> float | None:
         """How long to sleep before the next claim round, or None when no queue is held.
