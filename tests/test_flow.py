@@ -112,7 +112,7 @@ def test_a_queue_cap_counts_its_leases_and_an_ack_frees_a_slot(broker: Broker) -
     # Then 2 run, the next claim gets none and is told to come back soon
     assert first == ["j0", "j1"]
     assert blocked.jobs == [] and blocked.remaining == 3
-    assert 0 <= blocked.hold_ms <= flow.CAP_RECHECK_MS
+    assert 0 <= blocked.hold_ms <= flow.CAP_RECHECK_MS and blocked.hold_by_cap
     assert attempts(broker, "j2") == 0  # held back without burning an attempt
 
     # When one of the two ends, exactly one more starts, the next in order
@@ -148,7 +148,7 @@ def test_a_queue_rate_spaces_its_claims_and_says_when_the_next_may_go(broker: Br
     # Then one starts, and the next may go a third of a second later (less
     # the pacing's tolerance), not in a burst of 3
     assert first == ["j0"]
-    assert second.jobs == []
+    assert second.jobs == [] and not second.hold_by_cap
     assert 333 - 20 - 5 <= second.hold_ms <= 334 - 20
 
 
@@ -283,7 +283,7 @@ def test_a_job_with_a_rate_and_a_cap_needs_both(broker: Broker) -> None:
     assert moved.jobs == [] and moved.hold_ms == -1  # moved to the rate's held list
     assert broker.client.lrange(broker.keys(Q).flow("held", "r:tests.t"), 0, -1) == ["j1"]
     blocked = broker.claim(Q, count=10, lease_ms=LONG_LEASE_MS)
-    assert blocked.jobs == [] and 430 <= blocked.hold_ms <= 480
+    assert blocked.jobs == [] and 430 <= blocked.hold_ms <= 480 and not blocked.hold_by_cap
 
 
 def test_a_killed_workers_slot_comes_back_when_recover_takes_its_expired_lease(

@@ -118,7 +118,7 @@ class Lifecycle(BrokerCore):
             (max(count, 1 if moved_id else 0), lease_ms, moved_id or "", self.fair_share,
              EXHAUSTED_CLASS, *limits),
         )
-        jobs_flat, dead_flat, garbage, remaining, banded, hold_ms = reply
+        jobs_flat, dead_flat, garbage, remaining, banded, hold_ms, hold_by_cap = reply
         if int(banded):
             self._banded.add(queue)
         jobs = [
@@ -129,7 +129,8 @@ class Lifecycle(BrokerCore):
         dead = [(dead_flat[i], int(dead_flat[i + 1]), int(dead_flat[i + 2]))
                 for i in range(0, len(dead_flat), 3)]
         self._wake(queue, int(remaining))  # work left behind: wake the next idle worker
-        return ClaimResult(jobs, dead, list(garbage), int(remaining), int(banded), int(hold_ms))
+        return ClaimResult(jobs, dead, list(garbage), int(remaining), int(banded), int(hold_ms),
+                           bool(int(hold_by_cap)))
 
     def start(self, queue: str, held: Sequence[Fence]) -> list[Applied]:
         """Mark held attempts as started: DONE (run it), CANCELLED (do not run it,

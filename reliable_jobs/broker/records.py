@@ -108,6 +108,9 @@ class ClaimResult:
     #: -1, or, when limits held back every job this claim could reach, how
     #: long (ms) until one of them may let a job go (see flow.py).
     hold_ms: int = -1
+    #: Whether hold_ms is a concurrency cap's guess (a slot may free sooner:
+    #: an ack elsewhere does not say so) rather than a rate's exact time.
+    hold_by_cap: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -87,7 +87,7 @@
   attempts and gen are written back, so the token the fenced scripts compare
   always reads the same as the one returned.
 
-  Returns: { jobs, dead, garbage, remaining, banded }
+  Returns: { jobs, dead, garbage, remaining, banded, hold_ms, hold_by_cap }
     jobs      flat list: id, attempt, max_attempts, payload, gen, waited_ms
               (per job); attempt and gen together are the fencing token;
               waited_ms is how long the job was ready before this claim
@@ -100,6 +100,8 @@
              waits on this queue alone with BLMOVE)
     hold_ms  -1, or, when this call did nothing because limits held every
              job it could reach, how long (ms) until one may let a job go
+    hold_by_cap  1 when hold_ms is a cap's guess (a slot may free at any
+             moment: an ack does not say so), 0 when it is a rate's time
   Errors: count, lease_ms, share_every or a queue limit not a whole number from 0 to 2^52,
   or exhausted_class not a dotted path (nothing is written).
 ]]
@@ -177,6 +179,8 @@ end
 -- when (ms) the limit that bounds it may let more go.
 local allowance = math.max(count, #ids)
 local queue_free_at = nil
+-- Whether queue_free_at is a cap's guess (a recheck) rather than a rate's time.
+local queue_cap_guess = false
 -- The queue's own rate log is flow_prefix .. 'log:' .. 'q'.
 local queue_wire = 'q'
 if queue_cap > 0 then
@@ -184,6 +188,7 @@ if queue_cap > 0 then
   if free < allowance then
     allowance = math.max(free, 0)
     queue_free_at = now + FLOW_CAP_RECHECK_MS
+    queue_cap_guess = true
   end
 end
 if queue_rate > 0 then
@@ -191,7 +196,9 @@ if queue_rate > 0 then
   if room < allowance then
     allowance = room
     if room == 0 then
-      queue_free_at = math.min(queue_free_at or at, at)
+      if queue_free_at == nil or at < queue_free_at then
+        queue_free_at, queue_cap_guess = at, false
+      end
     end
   end
 end
@@ -447,17 +454,18 @@ if remaining > 0 then
   push_wake_marker(wake_key)
 end
 -- Nothing done because limits held everything in reach: say when to come back.
-local hold_ms = -1
+local hold_ms, hold_by_cap = -1, 0
 if #jobs == 0 and #dead == 0 and #garbage == 0 and held_moved == 0 then
-  local due = queue_free_at
+  local due, by_cap = queue_free_at, queue_cap_guess
   if remaining == 0 or due == nil then
     local first = redis.call('ZRANGE', holds_key, 0, 0, 'WITHSCORES')
-    if first[2] then
-      due = math.min(due or tonumber(first[2]), tonumber(first[2]))
+    if first[2] and (due == nil or tonumber(first[2]) < due) then
+      due, by_cap = tonumber(first[2]), string.sub(first[1], 1, 2) == 'c:'
     end
   end
   if due ~= nil then
     hold_ms = math.max(due - now, 0)
+    hold_by_cap = by_cap and 1 or 0
   end
 end
-return { jobs, dead, garbage, remaining, banded, hold_ms }
+return { jobs, dead, garbage, remaining, banded, hold_ms, hold_by_cap }

@@ -420,7 +420,7 @@ class Worker:
     def _claim(self, queue: str, count: int, moved_id: str | None) -> int:
         result = self.broker.claim(queue, count=max(count, 0), lease_ms=self.config.LEASE_MS,
                                    moved_id=moved_id, limits=self._holds.claim_args(queue))
-        self._holds.record(queue, result.hold_ms)
+        self._holds.record(queue, result.hold_ms, by_cap=result.hold_by_cap)
         crash_point("after_claim")
         self.in_hand.add(result.jobs)
         self._claimed_total += len(result.jobs)

@@ -45,14 +45,18 @@ class FlowHolds:
             args = self._args[queue] = self._limits_of(logical_queue(queue)).claim_args()
         return args
 
-    def record(self, queue: str, hold_ms: int) -> None:
-        """What a claim on ``queue`` said: -1 (no hold) or how long its limits hold."""
+    def record(self, queue: str, hold_ms: int, *, by_cap: bool = True) -> None:
+        """What a claim on ``queue`` said: -1 (no hold) or how long its limits hold.
+
+        Only a cap's hold (``by_cap``: a guess) backs off; a rate's is exact,
+        and waiting longer would only lose rate.
+        """
         if hold_ms < 0:
             self._until.pop(queue, None)
             self._last_s.pop(queue, None)
             return
         hint_s = hold_ms / 1000
-        last_s = self._last_s.get(queue)
+        last_s = self._last_s.get(queue) if by_cap else None
         wait_s = hint_s if last_s is None else max(hint_s, min(last_s * 2, BACKOFF_MAX_S))
         self._last_s[queue] = max(wait_s, 0.001)
         self._until[queue] = self._clock() + wait_s

@@ -55,6 +55,13 @@ def test_a_queue_held_again_and_again_backs_off_to_the_cap_then_resets() -> None
     assert h.wait_s() == pytest.approx(0.01)
 
 
+def test_a_rates_hold_is_exact_and_never_backs_off() -> None:
+    h = holds(Clock())
+    for _ in range(4):
+        h.record("emails", 10, by_cap=False)
+    assert h.wait_s() == pytest.approx(0.01)
+
+
 def test_a_rates_longer_hint_is_kept_and_capped_by_max_wait() -> None:
     clock = Clock()
     h = holds(clock)
