@@ -101,7 +101,9 @@ if TYPE_CHECKING:
             max_attempts: int | None = None, retry_base_ms: int | None = None,
             retry_max_ms: int | None = None, timeout_ms: int | None = None,
             unique_for_ms: int | None = None, unique_by: UniqueBy | None = None,
-            unique_while_running: bool = False, fair_key: FairKey | None = None,
+            unique_while_running: bool = False, rate_limit: str | None = None,
+            concurrency: int | None = None, rate_key: Callable[..., Any] | None = None,
+            concurrency_key: Callable[..., Any] | None = None, fair_key: FairKey | None = None,
         ) -> Task[P, R]: ...
         @overload
         def __call__[**P, R](
@@ -111,7 +113,9 @@ if TYPE_CHECKING:
             max_attempts: int | None = None, retry_base_ms: int | None = None,
             retry_max_ms: int | None = None, timeout_ms: int | None = None,
             unique_for_ms: int | None = None, unique_by: UniqueBy | None = None,
-            unique_while_running: bool = False, fair_key: FairKey | None = None,
+            unique_while_running: bool = False, rate_limit: str | None = None,
+            concurrency: int | None = None, rate_key: Callable[..., Any] | None = None,
+            concurrency_key: Callable[..., Any] | None = None, fair_key: FairKey | None = None,
         ) -> Task[P, R]: ...
         @overload
         def __call__[**P, R](
@@ -121,7 +125,9 @@ if TYPE_CHECKING:
             max_attempts: int | None = None, retry_base_ms: int | None = None,
             retry_max_ms: int | None = None, timeout_ms: int | None = None,
             unique_for_ms: int | None = None, unique_by: UniqueBy | None = None,
-            unique_while_running: bool = False, fair_key: FairKey | None = None,
+            unique_while_running: bool = False, rate_limit: str | None = None,
+            concurrency: int | None = None, rate_key: Callable[..., Any] | None = None,
+            concurrency_key: Callable[..., Any] | None = None, fair_key: FairKey | None = None,
         ) -> Callable[[Callable[Concatenate[TaskContext[Any, Any], P], R]], Task[P, R]]: ...
         @overload
         def __call__[**P, R](
@@ -131,7 +137,9 @@ if TYPE_CHECKING:
             max_attempts: int | None = None, retry_base_ms: int | None = None,
             retry_max_ms: int | None = None, timeout_ms: int | None = None,
             unique_for_ms: int | None = None, unique_by: UniqueBy | None = None,
-            unique_while_running: bool = False, fair_key: FairKey | None = None,
+            unique_while_running: bool = False, rate_limit: str | None = None,
+            concurrency: int | None = None, rate_key: Callable[..., Any] | None = None,
+            concurrency_key: Callable[..., Any] | None = None, fair_key: FairKey | None = None,
         ) -> Callable[[Callable[P, R]], Task[P, R]]: ...
 
     task: _TaskDecorator
