@@ -99,6 +99,7 @@ def incr_and_query():
 PROFILE_LAUNCHER = '''import cProfile, os, runpy, sys
 
 path = sys.argv.pop(1)
+sys.argv = sys.argv[1:]  # manage.py and its arguments, as if run directly
 profile = cProfile.Profile()
 real_exit = os._exit
 
