@@ -120,6 +120,9 @@ class Command(ReliableJobsCommand):
             if supervisor.run():
                 raise CommandError("A worker process did not stop cleanly (logged above).")
             return
+        if not metrics.stop_counting_unless_served(port) and metrics.available():
+            logger.debug("Prometheus counters are off in this worker: no --metrics-port and "
+                         "no PROMETHEUS_MULTIPROC_DIR, so nothing could read them.")
         progress = self.stdout.write if options["burst"] and options["verbosity"] >= 1 else None
         worker = Worker(
             backend, queues=queues, concurrency=options["concurrency"],
