@@ -168,7 +168,8 @@ class ProcessRun:
         return (self.cluster_wal_bytes if self.wal_bytes is None else self.wal_bytes) / self.jobs
 
     def line(self) -> str:
-        wal = ("" if self.wal_bytes is None
+        wal = (f"WAL {self.cluster_wal_bytes / self.jobs:,.0f} B/job (whole cluster)"
+               if self.wal_bytes is None
                else f"WAL {self.wal_bytes / self.jobs:,.0f} B/job (cluster "
                     f"{self.cluster_wal_bytes / self.jobs:,.0f})")
         return (f"{self.task:<13} {self.jobs:>7,} jobs: {self.rate:>7,.0f} jobs/s start to empty, "
@@ -207,8 +208,11 @@ class StockProject:
         database = {key: settings_dict[key] for key in
                     ("ENGINE", "NAME", "USER", "PASSWORD", "HOST", "PORT")}
         test_name = (settings_dict.get("TEST") or {}).get("NAME")
-        if connections[backend.database].vendor == "sqlite" and test_name:
-            database["NAME"] = test_name
+        if connections[backend.database].vendor == "sqlite":
+            # SQLite needs its write lock taken at BEGIN (check E016), as the README says.
+            database["OPTIONS"] = settings_dict.get("OPTIONS", {})
+            if test_name:
+                database["NAME"] = test_name
         self.counter = backend.broker.keys(queue).job_prefix + "bench-counter"
         self.env = {
             **os.environ,
@@ -344,9 +348,20 @@ class WalMeter:
         with self.connection.cursor() as cursor:
             cursor.execute("SELECT pg_wal_lsn_diff(%s, %s)", [end, start])
             written.cluster = int(cursor.fetchone()[0])
-            if self.inspect:
+        if self.inspect:
+            written.database = self._database_wal(start, end)
+
+    def _database_wal(self, start: str, end: str) -> int | None:
+        """This database's records between two positions; None when the WAL is gone
+        (a checkpoint recycled it: other databases wrote a lot meanwhile)."""
+        from django.db import DatabaseError
+
+        try:
+            with self.connection.cursor() as cursor:
                 cursor.execute(DATABASE_WAL, [start, end, start, end])
-                written.database = int(cursor.fetchone()[0] or 0)
+                return int(cursor.fetchone()[0] or 0)
+        except DatabaseError:
+            return None
 
 
 #: The records of this database's blocks, and the commits of their transactions.
