@@ -342,14 +342,34 @@ class WalMeter:
         if self.connection.vendor != "postgresql":
             yield written
             return
-        start = self._lsn()
-        yield written
-        end = self._lsn()
-        with self.connection.cursor() as cursor:
-            cursor.execute("SELECT pg_wal_lsn_diff(%s, %s)", [end, start])
-            written.cluster = int(cursor.fetchone()[0])
-        if self.inspect:
-            written.database = self._database_wal(start, end)
+        # A temporary replication slot keeps the WAL from here on until it is
+        # read back: other databases' writes could otherwise make a checkpoint
+        # recycle it first. Dropped at once, and by the server should this die.
+        slot = self.inspect and self._reserve()
+        try:
+            start = self._lsn()
+            yield written
+            end = self._lsn()
+            with self.connection.cursor() as cursor:
+                cursor.execute("SELECT pg_wal_lsn_diff(%s, %s)", [end, start])
+                written.cluster = int(cursor.fetchone()[0])
+            if self.inspect:
+                written.database = self._database_wal(start, end)
+        finally:
+            if slot:
+                with self.connection.cursor() as cursor:
+                    cursor.execute("SELECT pg_drop_replication_slot(%s)", [SLOT])
+
+    def _reserve(self) -> bool:
+        from django.db import DatabaseError
+
+        try:
+            with self.connection.cursor() as cursor:
+                cursor.execute("SELECT pg_create_physical_replication_slot(%s, true, true)",
+                               [SLOT])
+            return True
+        except DatabaseError:
+            return False
 
     def _database_wal(self, start: str, end: str) -> int | None:
         """This database's records between two positions; None when the WAL is gone
@@ -363,6 +383,9 @@ class WalMeter:
         except DatabaseError:
             return None
 
+
+#: The temporary replication slot that keeps the WAL of a measurement.
+SLOT = f"rj_bench_{os.getpid()}"
 
 #: The records of this database's blocks, and the commits of their transactions.
 DATABASE_WAL = """
