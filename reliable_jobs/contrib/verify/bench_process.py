@@ -149,6 +149,8 @@ class ProcessRun:
     #: WAL of this database's records (None without pg_walinspect), and the cluster's.
     wal_bytes: int | None
     cluster_wal_bytes: int
+    #: Of ``wal_bytes``, full-page images (see Written.images).
+    wal_image_bytes: int = 0
     profile: Path | None = None
 
     @property
@@ -170,7 +172,8 @@ class ProcessRun:
     def line(self) -> str:
         wal = (f"WAL {self.cluster_wal_bytes / self.jobs:,.0f} B/job (whole cluster)"
                if self.wal_bytes is None
-               else f"WAL {self.wal_bytes / self.jobs:,.0f} B/job (cluster "
+               else f"WAL {self.wal_bytes / self.jobs:,.0f} B/job (page images "
+                    f"{self.wal_image_bytes / self.jobs:,.0f}; cluster "
                     f"{self.cluster_wal_bytes / self.jobs:,.0f})")
         return (f"{self.task:<13} {self.jobs:>7,} jobs: {self.rate:>7,.0f} jobs/s start to empty, "
                 f"{self.drain_rate:>7,.0f} from the first job, CPU {self.cpu_us_per_job:>5,.0f} "
@@ -193,7 +196,8 @@ def summary(runs: list[ProcessRun]) -> list[str]:
             f"{figure([r.drain_rate for r in mine], 'jobs/s')} from the first job; "
             f"CPU {figure([r.cpu_us_per_job for r in mine], 'µs/job')}; "
             f"exit {figure([r.exit_s * 1000 for r in mine], 'ms')} after empty; "
-            f"WAL {figure([r.wal_per_job for r in mine], 'B/job')}")
+            f"WAL {figure([r.wal_per_job for r in mine], 'B/job')}, without page images "
+            f"{figure([r.wal_per_job - r.wal_image_bytes / r.jobs for r in mine], 'B/job')}")
     return lines
 
 
@@ -283,7 +287,8 @@ class StockProject:
             task=task, jobs=jobs, to_empty_s=empty_at - started,
             drain_s=max(empty_at - (first or started), 1e-6),
             exit_s=max(exited_at - empty_at, 0.0), cpu_s=usage.ru_utime + usage.ru_stime,
-            wal_bytes=written.database, cluster_wal_bytes=written.cluster, profile=profile)
+            wal_bytes=written.database, cluster_wal_bytes=written.cluster,
+            wal_image_bytes=written.images, profile=profile)
 
     def _first_start(self, task: str) -> float | None:
         from reliable_jobs.models import Attempt
@@ -306,6 +311,10 @@ class Written:
 
     database: int | None = None
     cluster: int = 0
+    #: Of ``database``, the full-page images: the first change to a page after
+    #: a checkpoint logs the whole page, so this part depends on when the
+    #: server's checkpoints fell (other databases' writes bring them sooner).
+    images: int = 0
 
 
 class WalMeter:
@@ -319,6 +328,8 @@ class WalMeter:
 
     def __init__(self, backend: ReliableJobsBackend) -> None:
         self.connection = connections[backend.database]
+        #: Bytes of full-page images in the last measurement of this database.
+        self.images = 0
         self.inspect = self.connection.vendor == "postgresql" and self._walinspect()
 
     def _walinspect(self) -> bool:
@@ -355,6 +366,7 @@ class WalMeter:
                 written.cluster = int(cursor.fetchone()[0])
             if self.inspect:
                 written.database = self._database_wal(start, end)
+                written.images = self.images
         finally:
             if slot:
                 with self.connection.cursor() as cursor:
@@ -379,7 +391,9 @@ class WalMeter:
         try:
             with self.connection.cursor() as cursor:
                 cursor.execute(DATABASE_WAL, [start, end, start, end])
-                return int(cursor.fetchone()[0] or 0)
+                total, images = cursor.fetchone()
+                self.images = int(images)
+                return int(total)
         except DatabaseError:
             return None
 
@@ -390,13 +404,14 @@ SLOT = f"rj_bench_{os.getpid()}"
 #: The records of this database's blocks, and the commits of their transactions.
 DATABASE_WAL = """
 WITH ours AS (
-    SELECT xid, record_length FROM pg_get_wal_records_info(%s::pg_lsn, %s::pg_lsn)
+    SELECT xid, record_length, fpi_length FROM pg_get_wal_records_info(%s::pg_lsn, %s::pg_lsn)
     WHERE block_ref LIKE '%%/' || (SELECT oid FROM pg_database
                                    WHERE datname = current_database()) || '/%%')
-SELECT (SELECT sum(record_length) FROM ours)
+SELECT (SELECT coalesce(sum(record_length), 0) FROM ours)
      + (SELECT coalesce(sum(record_length), 0) FROM pg_get_wal_records_info(%s::pg_lsn, %s::pg_lsn)
         WHERE resource_manager = 'Transaction'
-          AND xid IN (SELECT xid FROM ours WHERE xid <> '0'))
+          AND xid IN (SELECT xid FROM ours WHERE xid <> '0')),
+       (SELECT coalesce(sum(fpi_length), 0) FROM ours)
 """
 
 
