@@ -31,11 +31,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from django.db import connections
 
@@ -415,16 +414,17 @@ SELECT (SELECT coalesce(sum(record_length), 0) FROM ours)
 """
 
 
-def measure(backend: ReliableJobsBackend, queue: str, *, jobs: int, runs: int,
-            tasks: list[str], report: Any) -> list[ProcessRun]:
-    """``runs`` rounds of a worker per task in ``tasks``, interleaved; ``report`` sees each."""
+def measure(backend: ReliableJobsBackend, queue: str, *, sizes: dict[str, int], runs: int,
+            report: Callable[[ProcessRun], None]) -> list[ProcessRun]:
+    """``runs`` rounds of a worker per task of ``sizes`` (task to jobs per run),
+    interleaved; ``report`` sees each."""
     profile_dir = os.environ.get("BENCH_PROFILE_DIR")
     results = []
     with tempfile.TemporaryDirectory(prefix="rj-bench-project-") as root:
         project = StockProject(Path(root), backend, queue)
         project.create()
         for run in range(1, runs + 1):
-            for task in tasks:
+            for task, jobs in sizes.items():
                 profile = None
                 if profile_dir:
                     Path(profile_dir).mkdir(parents=True, exist_ok=True)

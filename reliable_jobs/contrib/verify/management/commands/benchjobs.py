@@ -103,6 +103,9 @@ class Command(ReliableJobsCommand):
                             choices=sorted(bench_process.TASKS), metavar="TASK",
                             help="--process: 'no-op' or 'INCR + query' (one Redis INCR and "
                                  "one ORM query); repeat for both (default: both).")
+        parser.add_argument("--query-jobs", type=whole_number(1, AT_LEAST_ONE), default=None,
+                            help="--process: jobs of the 'INCR + query' task per run (default: "
+                                 "--jobs).")
         parser.add_argument("--queue", default=None,
                             help="Queue to use (default: the backend's first queue).")
 
@@ -180,16 +183,19 @@ class Command(ReliableJobsCommand):
 
     def _process(self, backend: Any, queue: str, options: dict[str, Any]) -> None:
         tasks = options["process_tasks"] or list(bench_process.TASKS)
-        self.stdout.write(f"runworker --burst in a stock project, {options['jobs']:,} jobs per "
-                          f"run, {options['runs']} run(s) of {', '.join(tasks)}, interleaved:")
+        self.stdout.write(f"runworker --burst in a stock project, {options['runs']} run(s) of "
+                          f"{', '.join(tasks)}, interleaved:")
 
         def report(run: bench_process.ProcessRun) -> None:
             self.stdout.write(run.line())
             if run.profile is not None:
                 self.stdout.write(f"  profile: {run.profile}")
 
-        runs = bench_process.measure(backend, queue, jobs=options["jobs"], runs=options["runs"],
-                                     tasks=tasks, report=report)
+        sizes = {task: options["jobs"] for task in tasks}
+        if options["query_jobs"] and "INCR + query" in sizes:
+            sizes["INCR + query"] = options["query_jobs"]
+        runs = bench_process.measure(backend, queue, sizes=sizes, runs=options["runs"],
+                                     report=report)
         self.stdout.write("")
         for line in bench_process.summary(runs):
             self.stdout.write(line)
