@@ -93,6 +93,8 @@ def incr_and_query():
     return ContentType.objects.filter(app_label="auth").count()
 '''
 
+#: Where PROFILE_LAUNCHER goes in the temporary project (not a file of this repository).
+LAUNCHER = Path("profile_launcher").with_suffix(".py")
 #: Runs ``manage.py`` under cProfile, every thread, and writes the stats even
 #: when the process ends with ``os._exit`` (runworker's prompt exit).
 PROFILE_LAUNCHER = '''import cProfile, os, runpy, sys
@@ -239,7 +241,7 @@ class StockProject:
         with open(self.root / "benchsite" / "settings.py", "a") as settings:
             settings.write(SETTINGS_TAIL)
         (self.root / APP / "tasks.py").write_text(TASKS_MODULE)
-        (self.root / "profile_launcher.py").write_text(PROFILE_LAUNCHER)
+        (self.root / LAUNCHER).write_text(PROFILE_LAUNCHER)
         self._run(sys.executable, "manage.py", "migrate", "-v", "0")
 
     def enqueue(self, task: str, count: int) -> None:
@@ -253,7 +255,7 @@ class StockProject:
         wal = WalMeter(self.backend)
         command = [sys.executable, "manage.py", "runworker", "--burst", "-v", "0"]
         if profile is not None:
-            command[1:2] = ["profile_launcher.py", str(profile), "manage.py"]
+            command[1:2] = [str(LAUNCHER), str(profile), "manage.py"]
         with wal.measure() as written:
             started = time.time()
             proc = subprocess.Popen(command, cwd=self.root, env=self.env,
