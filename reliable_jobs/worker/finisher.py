@@ -45,6 +45,7 @@ FINISH_BATCH = 500
 #: in the mirror this much later; Redis, which decides, knew at once.
 START_HOLD_S = 0.05
 
+
 class _Due:
     """What _next says when a held start is due and nothing else arrived."""
 
