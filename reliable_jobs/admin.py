@@ -298,7 +298,7 @@ class JobAdmin(ReadOnlyMixin, admin.ModelAdmin):  # type: ignore[type-arg]  # as
                               f"{staff.MIN_PRIORITY} to {staff.MAX_PRIORITY} (not {raw!r}), "
                               "next to the action: no job was changed.", messages.ERROR)
             return
-        self._act(request, queryset, lambda backend, pk: staff.reprioritize(backend, pk, priority),
+        self._act(request, queryset, lambda parts, pk: staff.reprioritize(parts, pk, priority),
                   f"%(n)s jobs now have priority {priority}.")
 
     def _act(self, request: HttpRequest, queryset: QuerySet[Job],
@@ -338,7 +338,7 @@ class JobAdmin(ReadOnlyMixin, admin.ModelAdmin):  # type: ignore[type-arg]  # as
             return staff.StaffResult(str(job.pk), False, f"Job {job.pk} belongs to backend "
                                  f"{job.backend!r}, which is not configured: it was not changed.")
         try:
-            return operation(changelist.reliable_backend(job.backend), job.pk)
+            return operation(changelist.reliable_backend(job.backend).parts, job.pk)
         except REDIS_ERRORS as exc:
             return staff.StaffResult(str(job.pk), False, f"Redis did not answer ({exc}): job "
                                  f"{job.pk} was not changed.")

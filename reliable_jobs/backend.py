@@ -8,8 +8,9 @@ Nothing here imports the models (``models``, ``mirror``, ``staff``) at
 module level: Django loads this module for ``manage.py check`` even when
 ``reliable_jobs`` is missing from INSTALLED_APPS, and a model import would
 then be a RuntimeError traceback instead of the E009 that says how to fix
-it. ``checks`` waits too: importing it registers the app's checks, which
-only an installed app may do. Types come from them under TYPE_CHECKING.
+it. Types come from them under TYPE_CHECKING. ``backendchecks`` is
+imported where it is used: it names this class for its types, and imports
+run one way (see docs/design.md, "Layers").
 """
 
 from __future__ import annotations
@@ -24,11 +25,10 @@ from django.apps import apps
 from django.conf import settings
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
-from django.db import transaction
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
-from . import conf, telemetry, unique
+from . import conf, telemetry
 from .broker import REDIS_ERRORS, Broker, NewJob
 from .compat import (
     BaseTaskBackend,
@@ -41,14 +41,15 @@ from .compat import (
     task_enqueued,
 )
 from .keys import is_valid_queue_name
-from .newjobs import Calls, NewJobsBuilder
+from .newjobs import Calls, NewJobsBuilder, push_on_commit, unique_rule
+from .parts import BackendParts, task_option
 from .reachability import ensure_reachable
 from .results import job_result
 from .signalwatch import SignalWatch
 from .tasks import ReliableTask, lookup
 
 if TYPE_CHECKING:
-    from .mirror import NewRow, UniqueRule
+    from .mirror import NewRow
     from .models import Job
     from .staff import StaffResult
 
@@ -81,6 +82,11 @@ class ReliableJobsBackend(BaseTaskBackend):
     @property
     def database(self) -> str:
         return self.config.DATABASE
+
+    @cached_property
+    def parts(self) -> BackendParts:
+        """What the sweep and staff actions need of this backend (see ``parts.py``)."""
+        return BackendParts(self.alias, self.config, frozenset(self.queues), self.broker)
 
     @cached_property
     def _enqueued_watch(self) -> SignalWatch:
@@ -124,8 +130,7 @@ class ReliableJobsBackend(BaseTaskBackend):
 
     def task_option(self, task: Task[..., Any], name: str) -> Any:
         """A task's own option, or the backend default (``timeout_ms`` -> TIMEOUT_MS)."""
-        value = getattr(task, name, None)
-        return value if value is not None else getattr(self.config, name.upper())
+        return task_option(self.config, task, name)
 
     # -- enqueue ---------------------------------------------------------
 
@@ -161,7 +166,7 @@ class ReliableJobsBackend(BaseTaskBackend):
         ensure_reachable(task)
         from . import mirror  # not at module level: see the module docstring
 
-        rule = self._unique_rule(task)
+        rule = unique_rule(task, self.database, self.broker)
         build = NewJobsBuilder(
             task, calls, alias=self.alias, now=timezone.now(), trace=trace,
             max_attempts=self.task_option(task, "max_attempts"), keyed=rule is not None,
@@ -172,37 +177,11 @@ class ReliableJobsBackend(BaseTaskBackend):
             rows = list(rows)  # every call checked (and keyed) before the first write
         held = mirror.insert_jobs(self.database, build.new_jobs(rows), unique=rule)
         results, fresh = build.settle(held, lambda job: job_result(job, task, backend=self.alias))
-        self._push_on_commit(build.pushes_of(fresh))
+        push_on_commit(self._push, self.database, build.pushes_of(fresh))
         if fresh and self._enqueued_watch.observed():
             for result in fresh:
                 task_enqueued.send(type(self), task_result=result)
         return results
-
-    def _unique_rule(self, task: Task[..., Any]) -> UniqueRule | None:
-        """How a unique task's calls are judged (None for another task), or InvalidTask."""
-        if getattr(task, "unique_for_ms", None) is None:
-            return None
-        from .mirror import UniqueRule  # see the module docstring
-
-        assert isinstance(task, ReliableTask)  # unique_for_ms is one of its options
-        problem = unique.database_problem(self.database)
-        if problem:
-            raise InvalidTask(problem)
-        return UniqueRule(window_ms=task.unique_for_ms or 0,
-                          while_running=task.unique_while_running,
-                          states_in_redis=lambda rows: unique.states_in_redis(self.broker, rows))
-
-    def _push_on_commit(self, by_shard: dict[str, list[NewJob]]) -> None:
-        """Push jobs (by physical queue) once the transaction commits, 1,000 per script call."""
-        if not by_shard:
-            return
-
-        def push() -> None:
-            for physical, new_jobs in by_shard.items():
-                for start in range(0, len(new_jobs), 1000):
-                    self._push(physical, new_jobs[start:start + 1000])
-
-        transaction.on_commit(push, using=self.database)
 
     def _push(self, queue: str, jobs: list[NewJob]) -> None:
         """Push committed jobs; if Redis is down the sweep's reconcile pushes them (G5)."""
@@ -270,12 +249,12 @@ class ReliableJobsBackend(BaseTaskBackend):
             raise TaskResultDoesNotExist(result_id) from None
         if not Job.objects.using(self.database).filter(pk=job_id, backend=self.alias).exists():
             raise TaskResultDoesNotExist(result_id)
-        return staff.cancel(self, job_id)
+        return staff.cancel(self.parts, job_id)
 
     # -- checks ------------------------------------------------------------
 
     def check(self, **kwargs: Any) -> list[checks.CheckMessage]:
-        from .checks import check_backend  # see the module docstring
+        from .backendchecks import check_backend  # see the module docstring
 
         return check_backend(self)
 

@@ -24,7 +24,6 @@ from datetime import timedelta
 from functools import cached_property
 from typing import Any
 
-from django.conf import settings
 from django.contrib import admin
 from django.core.paginator import Paginator
 from django.db import connections
@@ -35,7 +34,7 @@ from django.utils import timezone
 from django.utils.translation import gettext_lazy as _
 
 from .backend import ReliableJobsBackend, find_backend
-from .compat import task_backends
+from .backend import reliable_backends as configured_backends
 from .dashboard import drift
 from .models import Job
 
@@ -151,8 +150,7 @@ class DriftFilter(admin.SimpleListFilter):
 
 def reliable_backends() -> list[str]:
     """Aliases of the configured backends that are reliable_jobs backends."""
-    return [alias for alias in settings.TASKS
-            if isinstance(task_backends[alias], ReliableJobsBackend)]
+    return [backend.alias for backend in configured_backends()]
 
 
 def reliable_backend(alias: str) -> ReliableJobsBackend:

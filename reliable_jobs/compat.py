@@ -21,7 +21,7 @@ mirrors its API.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Concatenate, Literal, Protocol, TypeVar, overload
 
 import django
@@ -29,9 +29,11 @@ import django
 if TYPE_CHECKING:
     from django.utils.functional import _StrOrPromise as StrOrPromise
 
-    from .unique import UniqueBy
-
 _Action = TypeVar("_Action", bound=Callable[..., Any])
+
+#: What a task's ``unique_by`` may be: a function of the call's arguments, or argument names
+#: (see ``unique.py``). Here, the bottom layer, so the ``task`` decorator's type can name it.
+UniqueBy = Callable[..., Any] | Sequence[str]
 
 __all__ = [
     "DEFAULT_TASK_BACKEND_ALIAS",
@@ -48,6 +50,7 @@ __all__ = [
     "TaskResultDoesNotExist",
     "TaskResultMismatch",
     "TaskResultStatus",
+    "UniqueBy",
     "admin_action",
     "normalize_json",
     "task",

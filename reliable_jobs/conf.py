@@ -23,7 +23,7 @@ REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 
 
 class ProblemKind(enum.Enum):
-    """What sort of settings mistake a problem is; ``checks.PROBLEM_IDS`` gives its id."""
+    """What sort of settings mistake a problem is; ``backendchecks.PROBLEM_IDS`` gives its id."""
 
     UNKNOWN_OPTION = enum.auto()
     BAD_REDIS_URL = enum.auto()

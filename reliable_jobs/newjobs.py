@@ -15,14 +15,18 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from django.db import transaction
+
 from . import payload, unique
-from .broker import NewJob, epoch_ms
-from .compat import Task, TaskResult, TaskResultStatus
+from .broker import Broker, NewJob, epoch_ms
+from .compat import InvalidTask, Task, TaskResult, TaskResultStatus
 from .jobids import BATCH, new_job_ids
 from .keys import shard_queue
 from .results import ResultStamp, task_result
+from .tasks import ReliableTask
 
 if TYPE_CHECKING:
+    from .mirror import UniqueRule
     from .mirror.records import NewJobs, NewRow
     from .models import Job
 
@@ -31,6 +35,9 @@ NEW_JOB_STATUS = TaskResultStatus.READY
 
 #: Calls of one task, as ``enqueue_many`` takes them.
 Calls = Sequence[tuple[Sequence[Any], dict[str, Any]]]
+
+#: Jobs one push script call takes at most.
+PUSH_CHUNK = 1000
 
 
 class NewJobsBuilder:
@@ -129,3 +136,31 @@ class NewJobsBuilder:
         kept = {queue: [job for job in jobs if job.id in inserted]
                 for queue, jobs in self.pushes.items()}
         return {queue: jobs for queue, jobs in kept.items() if jobs}
+
+
+def unique_rule(task: Task[..., Any], database: str, broker: Broker) -> UniqueRule | None:
+    """How a unique task's calls are judged (None for another task), or InvalidTask."""
+    if getattr(task, "unique_for_ms", None) is None:
+        return None
+    from .mirror import UniqueRule  # not at module level: see backend's docstring
+
+    assert isinstance(task, ReliableTask)  # unique_for_ms is one of its options
+    problem = unique.database_problem(database)
+    if problem:
+        raise InvalidTask(problem)
+    return UniqueRule(window_ms=task.unique_for_ms or 0, while_running=task.unique_while_running,
+                      states_in_redis=lambda rows: unique.states_in_redis(broker, rows))
+
+
+def push_on_commit(push: Callable[[str, list[NewJob]], None], database: str,
+                   by_shard: dict[str, list[NewJob]]) -> None:
+    """Call ``push`` for the jobs (by physical queue) once the transaction commits, in chunks."""
+    if not by_shard:
+        return
+
+    def on_commit() -> None:
+        for physical, new_jobs in by_shard.items():
+            for start in range(0, len(new_jobs), PUSH_CHUNK):
+                push(physical, new_jobs[start:start + PUSH_CHUNK])
+
+    transaction.on_commit(on_commit, using=database)

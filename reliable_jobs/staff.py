@@ -14,6 +14,10 @@ of a job Redis no longer holds, a requeue of a cancelled job) is the one
 exception to that order: a new generation is pushed only after the row
 holding it has committed (see sweep.push_rebuilt), or the mirror would
 refuse every record of the job Redis runs.
+
+Each action takes ``backend.parts`` (a :class:`~reliable_jobs.parts.BackendParts`:
+alias, settings, queues, broker), not the backend, so this module never
+imports the backend that calls it (``backend.cancel``).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from .sweep import TOMBSTONES, push_rebuilt
 from .tasks import discover, lookup
 
 if TYPE_CHECKING:
-    from .backend import ReliableJobsBackend
+    from .parts import BackendParts
 
 #: Django's priority range (django.tasks' TASK_MIN_PRIORITY / TASK_MAX_PRIORITY).
 MIN_PRIORITY, MAX_PRIORITY = -100, 100
@@ -50,7 +54,7 @@ class StaffResult:
     message: str
 
 
-def retry(backend: ReliableJobsBackend, job_id: Any) -> StaffResult:
+def retry(parts: BackendParts, job_id: Any) -> StaffResult:
     """Queue a dead job again with a fresh attempt budget, keeping its history.
 
     Attempt numbers keep counting (they are fencing tokens): the budget
@@ -58,7 +62,7 @@ def retry(backend: ReliableJobsBackend, job_id: Any) -> StaffResult:
     hash Redis no longer holds (Redis restarted empty) is rebuilt from the
     row, as reconcile rebuilds lost jobs.
     """
-    database = backend.config.DATABASE
+    database = parts.config.DATABASE
     rebuild: NewJob | None = None
     with transaction.atomic(using=database):
         job = mirror.lock_job(database, job_id)
@@ -68,28 +72,28 @@ def retry(backend: ReliableJobsBackend, job_id: Any) -> StaffResult:
         if job.state != JobState.DEAD:
             return StaffResult(jid, False,
                                f"Job {jid} is {job.state}, not dead: it was not retried.")
-        extra = fresh_budget(backend, job)
-        held = backend.broker.held_states(job.physical_queue, [jid]).get(jid)
+        extra = fresh_budget(parts, job)
+        held = parts.broker.held_states(job.physical_queue, [jid]).get(jid)
         if held is None:
             mirror.next_generation(database, [job])
             attempts = job.attempts
             rebuild = _rebuilt(job, max_attempts=attempts + extra)
         elif held["state"] == JobState.DEAD:
             attempts = max(job.attempts, int(held["attempts"]))
-            if not backend.broker.revive(job.physical_queue, jid, extra_attempts=extra):
+            if not parts.broker.revive(job.physical_queue, jid, extra_attempts=extra):
                 return _redis_moved(jid, "retried")
         else:
             return StaffResult(jid, False, f"Job {jid} is dead in the database but "
                            f"{held['state']} in Redis, which is ahead: it was not retried.")
         mirror.mark_queued_again(database, job, max_attempts=attempts + extra)
-    if rebuild is not None and (refused := _push(backend, job, rebuild, "retried")):
+    if rebuild is not None and (refused := _push(parts, job, rebuild, "retried")):
         return refused
     return StaffResult(jid, True, f"Job {jid} is queued again with {extra} more "
                    f"attempt{'s' if extra != 1 else ''} (attempts {attempts + 1} to "
                    f"{attempts + extra}).")
 
 
-def cancel(backend: ReliableJobsBackend, job_id: Any) -> StaffResult:
+def cancel(parts: BackendParts, job_id: Any) -> StaffResult:
     """Cancel an unfinished job: a waiting one never runs, a running one is stopped.
 
     Redis decides (``cancel.lua``): a queued or scheduled job is taken off
@@ -105,7 +109,7 @@ def cancel(backend: ReliableJobsBackend, job_id: Any) -> StaffResult:
     cancelled and is recorded as a cancelled attempt (mirror/). Either
     way the job ends one of the two, and its history says which.
     """
-    database = backend.config.DATABASE
+    database = parts.config.DATABASE
     with transaction.atomic(using=database):
         job = mirror.lock_job(database, job_id)
         if job is None:
@@ -114,7 +118,7 @@ def cancel(backend: ReliableJobsBackend, job_id: Any) -> StaffResult:
         if job.state in mirror.FINISHED_STATES:
             return StaffResult(jid, False, f"Job {jid} has finished ({job.state}): there is "
                            "nothing to cancel.")
-        cancelled, found = backend.broker.cancel(job.physical_queue, jid)
+        cancelled, found = parts.broker.cancel(job.physical_queue, jid)
         if not cancelled:
             if not found:
                 return StaffResult(jid, False, f"Job {jid} is not in Redis yet (its push is on "
@@ -129,14 +133,14 @@ def cancel(backend: ReliableJobsBackend, job_id: Any) -> StaffResult:
                    "not run.")
 
 
-def requeue(backend: ReliableJobsBackend, job_id: Any) -> StaffResult:
+def requeue(parts: BackendParts, job_id: Any) -> StaffResult:
     """Run a job now: a scheduled job stops waiting, a cancelled one is queued again.
 
     A cancelled job gets back the attempts it had left (a fresh budget if it
     had none). Dead jobs are for :func:`retry`; queued and running jobs need
     nothing.
     """
-    database = backend.config.DATABASE
+    database = parts.config.DATABASE
     rebuild: NewJob | None = None
     with transaction.atomic(using=database):
         job = mirror.lock_job(database, job_id)
@@ -145,7 +149,7 @@ def requeue(backend: ReliableJobsBackend, job_id: Any) -> StaffResult:
         jid = str(job.pk)
         future = job.run_after is not None and job.run_after > timezone.now()
         if job.state == JobState.CANCELLED:
-            held = backend.broker.held_states(job.physical_queue, [jid]).get(jid)
+            held = parts.broker.held_states(job.physical_queue, [jid]).get(jid)
             if held is not None and held["state"] not in TOMBSTONES:
                 # Cancelled while running, and its worker has not stopped it yet.
                 return StaffResult(jid, False, f"Job {jid} is cancelled but still "
@@ -153,7 +157,7 @@ def requeue(backend: ReliableJobsBackend, job_id: Any) -> StaffResult:
                                "once it has stopped.")
             mirror.next_generation(database, [job])
             budget = (job.max_attempts if job.max_attempts > job.attempts
-                      else job.attempts + fresh_budget(backend, job))
+                      else job.attempts + fresh_budget(parts, job))
             rebuild = _rebuilt(job, max_attempts=budget)
             mirror.mark_queued_again(database, job, max_attempts=budget, clear_run_after=future)
         elif job.state == JobState.DEAD:
@@ -162,7 +166,7 @@ def requeue(backend: ReliableJobsBackend, job_id: Any) -> StaffResult:
         elif job.state == JobState.SUCCEEDED:
             return StaffResult(jid, False, f"Job {jid} succeeded: it was not requeued.")
         else:
-            moved, found = backend.broker.requeue(job.physical_queue, jid)
+            moved, found = parts.broker.requeue(job.physical_queue, jid)
             if not moved:
                 shown = found or "not in Redis yet"
                 return StaffResult(jid, False, f"Job {jid} is {shown}, not scheduled: only a "
@@ -171,13 +175,13 @@ def requeue(backend: ReliableJobsBackend, job_id: Any) -> StaffResult:
                                      clear_run_after=future)
     if rebuild is None:
         return StaffResult(jid, True, f"Job {jid} was scheduled and is queued now.")
-    if refused := _push(backend, job, rebuild, "requeued"):
+    if refused := _push(parts, job, rebuild, "requeued"):
         return refused
     return StaffResult(jid, True, f"Job {jid} was cancelled and is queued again "
                    f"({rebuild.max_attempts - job.attempts} attempts left).")
 
 
-def reprioritize(backend: ReliableJobsBackend, job_id: Any, priority: int) -> StaffResult:
+def reprioritize(parts: BackendParts, job_id: Any, priority: int) -> StaffResult:
     """Give a job that waits (queued or scheduled) another priority.
 
     Redis decides (``reprioritize.lua``): a queued job moves to its new
@@ -189,7 +193,7 @@ def reprioritize(backend: ReliableJobsBackend, job_id: Any, priority: int) -> St
             or not MIN_PRIORITY <= priority <= MAX_PRIORITY):
         return StaffResult(str(job_id), False, f"Priority {priority!r} is not a whole number from "
                        f"{MIN_PRIORITY} to {MAX_PRIORITY}: job {job_id} was not changed.")
-    database = backend.config.DATABASE
+    database = parts.config.DATABASE
     with transaction.atomic(using=database):
         job = mirror.lock_job(database, job_id)
         if job is None:
@@ -198,7 +202,7 @@ def reprioritize(backend: ReliableJobsBackend, job_id: Any, priority: int) -> St
         if job.state not in (JobState.QUEUED, JobState.SCHEDULED):
             return StaffResult(jid, False, f"Job {jid} is {job.state}: only a queued or scheduled "
                            "job's priority can be changed; it was not changed.")
-        changed, found, old = backend.broker.reprioritize(job.physical_queue, jid, priority)
+        changed, found, old = parts.broker.reprioritize(job.physical_queue, jid, priority)
         if not changed:
             if found in (JobState.QUEUED, JobState.SCHEDULED) and old == priority:
                 if job.priority != priority:
@@ -214,15 +218,15 @@ def reprioritize(backend: ReliableJobsBackend, job_id: Any, priority: int) -> St
     return StaffResult(jid, True, f"Job {jid} now has priority {priority} (it had {old}).")
 
 
-def fresh_budget(backend: ReliableJobsBackend, job: Job) -> int:
+def fresh_budget(parts: BackendParts, job: Job) -> int:
     """The attempts a retry adds: the task's ``max_attempts``, else the backend's."""
     task = lookup(job.task_path)
     if task is None:
         discover()  # the admin process may not have imported the tasks modules yet
         task = lookup(job.task_path)
     if task is None:
-        return backend.config.MAX_ATTEMPTS
-    return int(backend.task_option(task, "max_attempts"))
+        return parts.config.MAX_ATTEMPTS
+    return int(parts.task_option(task, "max_attempts"))
 
 
 def _rebuilt(job: Job, *, max_attempts: int) -> NewJob:
@@ -230,7 +234,7 @@ def _rebuilt(job: Job, *, max_attempts: int) -> NewJob:
     return mirror.rebuilt_job(job, max_attempts=max_attempts, max_bytes=REBUILD_MAX_BYTES)
 
 
-def _push(backend: ReliableJobsBackend, job: Job, rebuild: NewJob, verb: str
+def _push(parts: BackendParts, job: Job, rebuild: NewJob, verb: str
           ) -> StaffResult | None:
     """Push a rebuild whose row is committed; None when Redis took it, else why not.
 
@@ -239,12 +243,12 @@ def _push(backend: ReliableJobsBackend, job: Job, rebuild: NewJob, verb: str
     """
     jid = str(job.pk)
     try:
-        taken = push_rebuilt(backend.broker, backend.config.DATABASE, job.physical_queue,
+        taken = push_rebuilt(parts.broker, parts.config.DATABASE, job.physical_queue,
                              [rebuild])
     except REDIS_ERRORS as exc:
         return StaffResult(jid, True, f"Job {jid} was {verb} in the database, but Redis did not "
                        f"take it ({exc}): the recovery sweep pushes it within "
-                       f"{backend.config.RECONCILE_GRACE_MS // 1000} s.")
+                       f"{parts.config.RECONCILE_GRACE_MS // 1000} s.")
     return None if taken == [True] else _redis_moved(jid, verb)
 
 

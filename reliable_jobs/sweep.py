@@ -38,7 +38,7 @@ from .mirror import AttemptRecord
 from .models import Job, JobState
 
 if TYPE_CHECKING:
-    from .backend import ReliableJobsBackend
+    from .parts import BackendParts
 
 logger = logging.getLogger("reliable_jobs.sweep")
 
@@ -118,17 +118,18 @@ def push_rebuilt(broker: Broker, database: str, queue: str, jobs: list[NewJob], 
 class Sweep:
     """One backend's sweep over a set of queues; keeps reconcile's cursor."""
 
-    def __init__(self, backend: ReliableJobsBackend, queues: list[str] | None = None) -> None:
-        self.backend = backend
+    def __init__(self, parts: BackendParts, queues: list[str] | None = None) -> None:
+        #: The backend's alias, settings and Redis side (``backend.parts``).
+        self.parts = parts
         #: Queue names as configured; each pass covers all their shards.
-        self.queues = sorted(queues or backend.queues)
+        self.queues = sorted(queues or parts.queues)
         self._cursor: str | None = None
         #: Per shard, the rank in its dead set where the orphan walk goes on.
         self._dead_cursor: dict[str, int] = {}
 
     def physical_queues(self) -> list[str]:
         """Every shard of the swept queues, read afresh (SHARDS may have changed)."""
-        return self.backend.broker.physical_queues(self.queues, self.backend.config.SHARDS)
+        return self.parts.broker.physical_queues(self.queues, self.parts.config.SHARDS)
 
     def redis_pass(self, physical: list[str] | None = None) -> SweepReport:
         """Recover and promote every shard, mirroring what recover did as it goes.
@@ -139,7 +140,7 @@ class Sweep:
         report = SweepReport()
         refunds: dict[str, int] = {}
         queues = physical if physical is not None else self.physical_queues()
-        for queue in self.backend.broker.sweepable(queues):
+        for queue in self.parts.broker.sweepable(queues):
             try:
                 self._sweep_queue(queue, report, refunds)
             except QUEUE_ERRORS:
@@ -147,7 +148,7 @@ class Sweep:
                                  "script fail; the other queues were swept.", queue)
         if refunds:
             try:
-                mirror.raise_budgets(self.backend.config.DATABASE, refunds)
+                mirror.raise_budgets(self.parts.config.DATABASE, refunds)
             except DatabaseError as exc:
                 logger.warning("Could not mirror %d refunded attempt(s): %s", len(refunds), exc)
         return report
@@ -165,7 +166,7 @@ class Sweep:
             elif job.kind == "garbage":
                 report.garbage += 1
                 logger.warning("Moved aside %r found on queue %r: no such job.", job.id, queue)
-        report.promoted += self.backend.broker.promote(queue)
+        report.promoted += self.parts.broker.promote(queue)
 
     def _recover(self, queue: str, report: SweepReport) -> RecoverResult:
         """Run recover on one shard with the mirror's agreement; count what it did.
@@ -180,9 +181,9 @@ class Sweep:
         then finds it recorded as expired and cannot rewrite the job.
         Without the database only what needs no mirror is recovered.
         """
-        broker = self.backend.broker
-        database = self.backend.config.DATABASE
-        lease_ms = self.backend.config.LEASE_MS
+        broker = self.parts.broker
+        database = self.parts.config.DATABASE
+        lease_ms = self.parts.config.LEASE_MS
         expired = broker.expired(queue)
         if not expired:
             return broker.recover(queue, lease_ms=lease_ms, allowed=[])
@@ -260,12 +261,12 @@ class Sweep:
         shard's dead set is walked for jobs with no row (:meth:`purge_orphans`).
         """
         report = SweepReport()
-        config = self.backend.config
+        config = self.parts.config
         older_than = mirror.grace_cutoff(config.DATABASE, config.RECONCILE_GRACE_MS)
         batches = 0
         while max_batches is None or batches < max_batches:
             rows = mirror.reconcile_candidates(
-                config.DATABASE, backend=self.backend.alias, older_than=older_than,
+                config.DATABASE, backend=self.parts.alias, older_than=older_than,
                 after_id=self._cursor, limit=RECONCILE_BATCH,
             )
             if not rows:
@@ -313,8 +314,8 @@ class Sweep:
         Redis yet, let alone one dead that long. purge.lua keeps a job that
         is no longer dead (revived meanwhile).
         """
-        broker = self.backend.broker
-        config = self.backend.config
+        broker = self.parts.broker
+        config = self.parts.config
         start = self._dead_cursor.get(queue, 0)
         before_ms = broker.server_time_ms() - config.RECONCILE_GRACE_MS
         ids, more = broker.dead_since(queue, before_ms=before_ms, start=start,
@@ -341,12 +342,12 @@ class Sweep:
         or running: a no-op on a job already marked, and the row's word is the
         last (a requeue makes the row unfinished before it pushes).
         """
-        config = self.backend.config
+        config = self.parts.config
         since = mirror.grace_cutoff(config.DATABASE, RECANCEL_MS)
         applied, after = 0, None
         while True:
             with transaction.atomic(using=config.DATABASE):
-                rows = mirror.lock_recent_cancels(config.DATABASE, backend=self.backend.alias,
+                rows = mirror.lock_recent_cancels(config.DATABASE, backend=self.parts.alias,
                                                   since=since, after_id=after,
                                                   limit=RECONCILE_BATCH)
                 by_queue: dict[str, list[str]] = defaultdict(list)
@@ -363,7 +364,7 @@ class Sweep:
             after = str(rows[-1].pk)
 
     def _recancel_queue(self, queue: str, job_ids: list[str]) -> int:
-        broker = self.backend.broker
+        broker = self.parts.broker
         held = broker.held_states(queue, job_ids)
         again = [job_id for job_id, found in held.items() if found["state"] in CANCELLABLE]
         for job_id in again:
@@ -393,8 +394,8 @@ class Sweep:
         newest (enqueue.lua refuses an older one, and a newer one takes over
         an older one still waiting).
         """
-        broker = self.backend.broker
-        database = self.backend.config.DATABASE
+        broker = self.parts.broker
+        database = self.parts.config.DATABASE
         buried = 0
         with transaction.atomic(using=database):
             locked = mirror.lock_unfinished(database, [row.pk for row in rows],
@@ -461,7 +462,7 @@ class Sweep:
                 report = self.run_once()
             except (*REDIS_ERRORS, DatabaseError) as exc:  # type: ignore[misc]  # mypy cannot unpack a tuple[type, ...]
                 on_failure(exc)
-                connections[self.backend.config.DATABASE].close()
+                connections[self.parts.config.DATABASE].close()
                 stop.wait(interval_s)
                 continue
             on_pass(report, (time.monotonic() - started) * 1000)

@@ -22,8 +22,8 @@ from django.core.signals import setting_changed
 from django.dispatch import receiver
 from django.utils.module_loading import autodiscover_modules
 
-from .compat import InvalidTask, Task
-from .unique import UniqueBy, check_options
+from .compat import InvalidTask, Task, UniqueBy
+from .unique import check_options
 
 _registry: dict[str, Task[..., Any]] = {}
 #: Paths lookup() already found allowed.

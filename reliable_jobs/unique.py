@@ -19,14 +19,13 @@ import json
 import logging
 from collections.abc import Callable, Sequence
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .broker import REDIS_ERRORS, Broker
-from .compat import InvalidTask
+from .compat import InvalidTask, UniqueBy
 
 if TYPE_CHECKING:
     from .models import Job
-    from .tasks import ReliableTask
 
 logger = logging.getLogger("reliable_jobs")
 
@@ -35,11 +34,27 @@ logger = logging.getLogger("reliable_jobs")
 REDIS_TO_JOB_STATE = {"queued": "queued", "scheduled": "scheduled", "running": "running",
                       "dead": "dead", "finished": "succeeded", "cancelled": "cancelled"}
 
-#: What ``unique_by`` may be: a function of the call's arguments, or argument names.
-UniqueBy = Callable[..., Any] | Sequence[str]
+
+class UniqueTask(Protocol):
+    """What this module reads of a task (a ``tasks.ReliableTask``, which it does not import)."""
+
+    @property
+    def func(self) -> Callable[..., Any]: ...
+    @property
+    def takes_context(self) -> bool: ...
+    @property
+    def module_path(self) -> str: ...
+    @property
+    def queue_name(self) -> str: ...
+    @property
+    def unique_for_ms(self) -> int | None: ...
+    @property
+    def unique_by(self) -> UniqueBy | None: ...
+    @property
+    def unique_while_running(self) -> bool: ...
 
 
-def check_options(task: ReliableTask) -> None:
+def check_options(task: UniqueTask) -> None:
     """Raise InvalidTask, with the fix, for unique options that cannot work."""
     if task.unique_for_ms is None:
         for name, unset in (("unique_by", None), ("unique_while_running", False)):
@@ -110,7 +125,7 @@ def states_in_redis(broker: Broker, rows: Sequence[Job]) -> dict[str, str]:
     return states
 
 
-def key_for(task: ReliableTask, alias: str, args: Sequence[Any], kwargs: dict[str, Any]) -> str:
+def key_for(task: UniqueTask, alias: str, args: Sequence[Any], kwargs: dict[str, Any]) -> str:
     """The unique key of one call of ``task`` (a unique task) on backend ``alias``.
 
     Equal calls on the same backend, queue and task get the same key; the
@@ -139,7 +154,7 @@ def key_for(task: ReliableTask, alias: str, args: Sequence[Any], kwargs: dict[st
             "return numbers, strings, lists, dicts, booleans or None.") from None
 
 
-def _bind(task: ReliableTask, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+def _bind(task: UniqueTask, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
     """The call's arguments by parameter name, defaults filled in."""
     signature = _signature(task.func)
     try:

@@ -623,7 +623,7 @@ class QueueMachine(RuleBasedStateMachine):
 
             mirror.record = die  # type: ignore[assignment]
         try:
-            Sweep(self.backend).redis_pass()
+            Sweep(self.backend.parts).redis_pass()
         except SweepDied:
             pass
         finally:
@@ -643,7 +643,7 @@ class QueueMachine(RuleBasedStateMachine):
         with self.slowly(slow_push), failing_commit(self.database) if commit_fails \
                 else nullcontext() as fault:
             try:
-                Sweep(self.backend).reconcile()
+                Sweep(self.backend.parts).reconcile()
             except DatabaseError:
                 if fault is None or not fault.fired:
                     raise
@@ -731,7 +731,7 @@ class QueueMachine(RuleBasedStateMachine):
         """Staff give a job another priority (staff.reprioritize, reprioritize.lua)."""
         job_id = self.jobs[index % len(self.jobs)]
         if self.staff_commit(job_id, commit_fails, lambda: staff.reprioritize(
-                self.backend, job_id, priority).done):
+                self.backend.parts, job_id, priority).done):
             self.reprioritized.add(job_id)
 
     @precondition(lambda self: self.jobs)
@@ -758,7 +758,7 @@ class QueueMachine(RuleBasedStateMachine):
                 pipe.dump(key)
                 pipe.pttl(key)
             saved = pipe.execute()
-        if not staff.cancel(self.backend, job_id).done:
+        if not staff.cancel(self.backend.parts, job_id).done:
             return
         with client.pipeline(transaction=True) as pipe:
             for i, key in enumerate(keys):
@@ -921,9 +921,9 @@ class QueueMachine(RuleBasedStateMachine):
         for round_ in range(40):
             if round_:
                 self.jump()  # leases of the dead workers run out
-            Sweep(self.backend).redis_pass()
+            Sweep(self.backend.parts).redis_pass()
             self.backdate()
-            Sweep(self.backend).reconcile()
+            Sweep(self.backend.parts).reconcile()
             self.cancel_lost.clear()
             while True:
                 result = self.broker.claim(QUEUE, count=50, lease_ms=60_000)

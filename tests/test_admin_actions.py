@@ -444,7 +444,7 @@ def test_cancel_racing_a_real_worker_ends_each_job_succeeded_or_cancelled_never_
 
     # When staff cancel every one of them, oldest first, while it drains:
     # queued ones, running ones, and ones finishing at that very moment
-    outcomes = [staff.cancel(backend, result.id) for result in results]
+    outcomes = [staff.cancel(backend.parts, result.id) for result in results]
 
     # Then each job ends exactly one of succeeded (the cancel was refused) or
     # cancelled (never run, or its attempt recorded cancelled, no result),

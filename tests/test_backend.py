@@ -283,6 +283,21 @@ def test_backend_max_attempts_option_is_the_default(
     assert redis_client.hget(job_key(result.id), "max_attempts") == "7"
 
 
+def test_parts_are_what_the_sweep_and_staff_take_of_the_backend(
+    backend: ReliableJobsBackend,
+) -> None:
+    # Given the backend, When its parts are asked for twice
+    parts = backend.parts
+
+    # Then they are one object holding its alias, settings, queues and broker
+    assert parts is backend.parts
+    assert (parts.alias, parts.config, parts.queues, parts.broker) == (
+        "default", backend.config, frozenset(backend.queues), backend.broker)
+    # And a per-task option is the task's own, else the backend's default
+    assert parts.task_option(test_tasks.task_with_options, "max_attempts") == 5
+    assert parts.task_option(test_tasks.noop_task, "max_attempts") == backend.config.MAX_ATTEMPTS
+
+
 @pytest.mark.parametrize(
     ("option", "value"),
     [
@@ -764,7 +779,7 @@ def test_redis_down_at_commit_keeps_the_job_for_reconcile(
 
     # Given: Redis is back
     rj_settings(RECONCILE_GRACE_MS=10_000)
-    sweep = Sweep(task_backends["default"])  # type: ignore[arg-type]
+    sweep = Sweep(task_backends["default"].parts)  # type: ignore[attr-defined]
 
     # When: reconcile runs within the grace period
     # Then: it leaves the row alone (its push might still be on its way)

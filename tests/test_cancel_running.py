@@ -266,11 +266,11 @@ def test_the_sweep_closes_a_cancelled_attempt_whose_worker_died(
     backend = configured_backend()
     result = demo.add.enqueue(1, 1)
     job = claim_and_start(backend, result.id, lease_ms=100)
-    assert staff.cancel(backend, result.id).done
+    assert staff.cancel(backend.parts, result.id).done
     wait_until(lambda: backend.broker.expired(Q), message="the lease to expire")
 
     # When the sweep runs
-    report = Sweep(backend).redis_pass()
+    report = Sweep(backend.parts).redis_pass()
 
     # Then the job is not run again, and its attempt is closed as cancelled
     assert report.cancelled == 1 and report.requeued == 0
@@ -288,7 +288,7 @@ def test_a_late_push_does_not_bring_back_a_job_cancelled_while_queued(
     # Given: a queued job cancelled by staff, whose id a claim then reaches and drops
     result = demo.add.enqueue(1, 1)
     pushed = redis_client.hget(KEYS.job(result.id), "payload")
-    assert staff.cancel(backend, result.id).done
+    assert staff.cancel(backend.parts, result.id).done
     assert backend.broker.claim(Q, count=10, lease_ms=60_000).jobs == []
 
     # When: the job's push arrives once more (a producer's on-commit push
@@ -360,7 +360,7 @@ def test_a_thread_task_that_ignores_the_cancel_runs_to_completion_recorded_cance
     wait_until(lambda: running_row(result.id), message="the task to start")
 
     # When staff cancel it while it sleeps
-    assert staff.cancel(backend, result.id).done
+    assert staff.cancel(backend.parts, result.id).done
 
     # Then it runs to its end, but its outcome is recorded as cancelled (no
     # return value) and it is never retried
@@ -393,7 +393,7 @@ def test_a_task_in_a_child_process_is_killed(
     child = int(pid_file.read_text())
 
     # When staff cancel it
-    assert staff.cancel(backend, result.id).done
+    assert staff.cancel(backend.parts, result.id).done
 
     # Then the child process is killed, and the job ends cancelled, not retried
     try:
@@ -432,7 +432,7 @@ def test_a_cancelled_job_whose_worker_is_sigkilled_is_not_run_again(
     result = demo.sleep_for.enqueue(30)
     first = processes.worker(env)
     wait_until(lambda: running_row(result.id), message="the task to start")
-    assert staff.cancel(backend, result.id).done
+    assert staff.cancel(backend.parts, result.id).done
     first.send_signal(signal.SIGKILL)
     first.wait(timeout=10)
 

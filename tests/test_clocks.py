@@ -98,7 +98,7 @@ def test_a_staff_action_with_its_clock_behind_stamps_the_row_with_the_database_c
 
     # When: staff cancel it
     before = database_now()
-    assert staff.cancel(backend, result.id).done
+    assert staff.cancel(backend.parts, result.id).done
     after = database_now()
 
     # Then: the row's updated_at is the database's clock

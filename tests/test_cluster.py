@@ -332,7 +332,7 @@ def test_a_killed_cluster_master_never_raises_into_enqueue(
     restart_node(cluster, victim)
     Job.objects.filter(pk__in=[warm.id, result.id]).update(
         updated_at=timezone.now() - timedelta(hours=1))
-    report = Sweep(backend).reconcile()  # type: ignore[arg-type]
+    report = Sweep(backend.parts).reconcile()  # type: ignore[attr-defined]
 
     # Then: it pushed both jobs the restart lost, and a worker can claim them
     assert report.pushed == 2

@@ -392,7 +392,8 @@ def test_the_acl_example_is_the_acl_the_tests_run_under() -> None:
 
 
 def test_the_checks_reference_lists_every_check_id() -> None:
-    source = (REPO / "reliable_jobs" / "checks.py").read_text()
+    source = "".join((REPO / "reliable_jobs" / name).read_text()
+                     for name in ("checks.py", "backendchecks.py"))
     in_code = set(re.findall(r'"(reliable_jobs\.[EW]\d{3})"', source))
     page = (DOCS / "reference" / "checks.md").read_text()
     listed = set(re.findall(r"^\| `(reliable_jobs\.[EW]\d{3})`", page, flags=re.MULTILINE))

@@ -149,7 +149,7 @@ def test_a_late_outcome_waits_for_the_sweep_that_expired_its_attempt(
         return found
 
     def sweep() -> None:
-        Sweep(backend).redis_pass()
+        Sweep(backend.parts).redis_pass()
         close_old_connections()
 
     def late_success() -> None:
@@ -208,7 +208,7 @@ def test_a_holder_from_before_redis_lost_the_job_is_refused_after_the_rebuild(
     # and worker B claims it
     redis_client.flushdb()
     backdate(result.id)
-    assert Sweep(backend).reconcile().pushed == 1
+    assert Sweep(backend.parts).reconcile().pushed == 1
     fresh = broker.claim("default", count=1, lease_ms=60_000).jobs[0]
 
     # Then: B's token is new (the attempt number never repeats one the
@@ -238,7 +238,7 @@ def rebuilt_after_a_loss(redis_client: redis.Redis) -> tuple[Broker, Any]:
     result = demo.add.enqueue(1, 2)
     redis_client.flushdb()
     backdate(result.id)
-    assert Sweep(backend).reconcile().pushed == 1
+    assert Sweep(backend.parts).reconcile().pushed == 1
     return backend.broker, result
 
 
@@ -286,7 +286,7 @@ def test_a_death_of_a_late_push_after_two_losses_of_redis_is_mirrored(
 
     # When: reconcile looks at the row
     backdate(result.id)
-    Sweep(task_backends["default"]).reconcile()
+    Sweep(task_backends["default"].parts).reconcile()  # type: ignore[attr-defined]
 
     # Then: the death Redis recorded is the job's outcome; the row is not left
     # unfinished for ever behind a hash that reconcile would never rebuild
@@ -311,7 +311,7 @@ def test_a_job_claimed_again_by_the_same_worker_keeps_its_new_lease_renewed(
     first = broker.claim("default", count=1, lease_ms=50).jobs[0]
     in_hand.add([first])
     time.sleep(0.1)
-    Sweep(backend).redis_pass()
+    Sweep(backend.parts).redis_pass()
     second = broker.claim("default", count=1, lease_ms=1_000).jobs[0]
     in_hand.add([second])
     assert (first.id, first.attempt, second.attempt) == (second.id, 1, 2)
@@ -366,7 +366,7 @@ def test_an_executor_lets_go_of_a_claim_whose_lease_expired_before_it_started(
     assert len(worker.in_hand) == 0
     assert not Attempt.objects.filter(job_id=result.id).exists()
     assert redis_client.hget(KEYS.job(job.id), "started") is None
-    assert Sweep(backend).redis_pass().requeued == 1
+    assert Sweep(backend.parts).redis_pass().requeued == 1
     [again] = broker.claim("default", count=1, lease_ms=60_000).jobs
     assert (again.id, again.attempt, again.max_attempts) == (job.id, 2, job.max_attempts + 1)
 
@@ -401,7 +401,7 @@ def test_a_cancel_racing_reconcile_never_runs_the_job(
         assert cancelled_in_redis.wait(10)
 
         # When: reconcile runs meanwhile
-        report = Sweep(backend).reconcile()
+        report = Sweep(backend.parts).reconcile()
     finally:
         release.set()
         staff.join(10)
@@ -411,7 +411,7 @@ def test_a_cancel_racing_reconcile_never_runs_the_job(
     assert backend.broker.claim("default", count=10, lease_ms=60_000).jobs == []
     assert Job.objects.get(pk=result.id).state == JobState.CANCELLED
     backdate(result.id)
-    assert Sweep(backend).reconcile().pushed == 0
+    assert Sweep(backend.parts).reconcile().pushed == 0
 
 
 def test_two_reconcilers_on_the_same_lost_rows_push_each_once(
@@ -440,7 +440,7 @@ def test_two_reconcilers_on_the_same_lost_rows_push_each_once(
     reports: dict[str, Any] = {}
 
     def first() -> None:
-        reports["first"] = Sweep(backend).reconcile()
+        reports["first"] = Sweep(backend.parts).reconcile()
         close_old_connections()
 
     thread = threading.Thread(target=first, name="first-reconciler")
@@ -449,7 +449,7 @@ def test_two_reconcilers_on_the_same_lost_rows_push_each_once(
         assert first_has_them.wait(10)
 
         # When: the second reconciler runs while the first holds the rows
-        reports["second"] = Sweep(backend).reconcile()
+        reports["second"] = Sweep(backend.parts).reconcile()
     finally:
         second_done.set()
         thread.join(10)
@@ -661,7 +661,7 @@ def test_a_retry_due_later_is_mirrored_and_survives_a_rebuild(
     # When: Redis loses it, and reconcile rebuilds it from the row
     redis_client.flushdb()
     backdate(result.id)
-    assert Sweep(backend).reconcile().pushed == 1
+    assert Sweep(backend.parts).reconcile().pushed == 1
 
     # Then: it waits for its retry instead of running at once
     assert Job.objects.get(pk=result.id).run_after == due
@@ -750,7 +750,7 @@ def test_a_stale_holders_late_record_does_not_close_the_current_attempt(
     assert (stale.attempt, stale.gen) == (2, 0)
     redis_client.flushdb()
     backdate(result.id)
-    assert Sweep(backend).reconcile().pushed == 1
+    assert Sweep(backend.parts).reconcile().pushed == 1
     fresh = broker.claim("default", count=1, lease_ms=60_000).jobs[0]
     assert (fresh.attempt, fresh.gen) == (1, 1)
     assert broker.start("default", [fresh.fence]) == [True]
@@ -783,7 +783,7 @@ def test_a_key_of_another_type_under_a_jobs_name_is_rebuilt_by_reconcile(
     backdate(result.id)
 
     # When: the sweep reconciles
-    pushed = Sweep(backend).reconcile().pushed
+    pushed = Sweep(backend.parts).reconcile().pushed
 
     # Then: Redis holds no job there, so the job is pushed again over the key, and runs
     assert pushed == 1

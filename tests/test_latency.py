@@ -23,8 +23,9 @@ from django.test import Client
 from django.utils import timezone
 
 from reliable_jobs import dashboard
+from reliable_jobs.backendchecks import with_ids
 from reliable_jobs.broker import Broker
-from reliable_jobs.checks import check_log_format, with_ids
+from reliable_jobs.checks import check_log_format
 from reliable_jobs.keys import QueueKeys
 from reliable_jobs.logformat import JsonLinesFormatter
 from testproject.demo import tasks as demo

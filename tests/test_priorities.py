@@ -16,8 +16,8 @@ import redis
 
 from reliable_jobs import conf
 from reliable_jobs.backend import ReliableJobsBackend
+from reliable_jobs.backendchecks import with_ids
 from reliable_jobs.broker import Broker, NewJob
-from reliable_jobs.checks import with_ids
 from tests.helpers import REDIS_URL, queued_by_priority
 
 Q = "work"

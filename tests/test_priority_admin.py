@@ -63,7 +63,7 @@ def test_a_job_redis_lost_is_rebuilt_at_its_priority(
     backdate(result.id)
 
     # When: reconcile runs
-    report = Sweep(backend).reconcile()
+    report = Sweep(backend.parts).reconcile()
 
     # Then: it is pushed again at priority 30, a generation later
     assert report.pushed == 1
@@ -222,7 +222,7 @@ def test_staff_reprioritize_refuses_what_the_row_says_is_not_waiting(
     Job.objects.filter(pk=done.id).update(state="succeeded")
 
     # When / Then: the action refuses it before asking Redis
-    outcome = staff.reprioritize(backend, done.id, 5)
+    outcome = staff.reprioritize(backend.parts, done.id, 5)
     assert not outcome.done
     assert outcome.message == (f"Job {done.id} is succeeded: only a queued or scheduled job's "
                                "priority can be changed; it was not changed.")

@@ -129,7 +129,7 @@ def test_a_reconcile_whose_push_answers_slowly_still_leaves_row_and_redis_agreei
     # When: reconcile rebuilds it
     with idle_in_transaction_timeout(200), around_script(
             backend.broker, "enqueue", lambda: time.sleep(0.6)):
-        as_the_maintenance_thread(Sweep(backend).reconcile)
+        as_the_maintenance_thread(Sweep(backend.parts).reconcile)
 
     # Then: the job runs once and its run is the job's history
     job = run_to_the_end(backend.broker)
@@ -137,7 +137,7 @@ def test_a_reconcile_whose_push_answers_slowly_still_leaves_row_and_redis_agreei
     assert (row.state, row.generation, row.return_value) == (JobState.SUCCEEDED, job.gen, 3)
     assert Attempt.objects.filter(job=row, outcome=AttemptOutcome.SUCCEEDED).count() == 1
     backdate(result.id)
-    assert Sweep(backend).reconcile().pushed == 0
+    assert Sweep(backend.parts).reconcile().pushed == 0
 
 
 @needs_postgresql
@@ -182,7 +182,7 @@ def test_a_reconcile_killed_around_its_push_loses_nothing_and_runs_the_job_once(
     assert sweep.wait(timeout=30) == CRASHED, processes.log(sweep)
     # ... and the next reconcile, after the grace, pushes what is missing
     backdate(*ids)
-    Sweep(backend).reconcile()
+    Sweep(backend.parts).reconcile()
 
     # Then: each job runs once, and that run is its history
     for _ in ids:
@@ -213,7 +213,7 @@ def test_a_late_push_landing_before_reconciles_push_is_taken_over(
     # When: the late push (generation 0) lands between reconcile's look and its push
     with around_script(broker, "enqueue", lambda: broker._run(
             "enqueue", _enqueue_keys(broker), [late.id, late.payload, 3, 0, 0, 0, 0])):
-        report = Sweep(backend).reconcile()
+        report = Sweep(backend.parts).reconcile()
 
     # Then: one job waits, of the row's generation, and the run of it is the
     # job's history
@@ -250,7 +250,7 @@ def test_a_late_push_claimed_before_reconciles_push_keeps_the_row_on_its_generat
     # When: the late push lands, and a worker claims it, between reconcile's
     # look and its push
     with around_script(broker, "enqueue", late_push_claimed):
-        report = Sweep(backend).reconcile()
+        report = Sweep(backend.parts).reconcile()
 
     # Then: nothing was pushed, and the holder's run is the job's history
     assert report.pushed == 0
@@ -261,7 +261,7 @@ def test_a_late_push_claimed_before_reconciles_push_keeps_the_row_on_its_generat
     row = Job.objects.get(pk=result.id)
     assert (row.state, row.generation, row.return_value) == (JobState.SUCCEEDED, 0, 3)
     backdate(result.id)
-    assert Sweep(backend).reconcile().pushed == 0
+    assert Sweep(backend.parts).reconcile().pushed == 0
 
 
 # -- item 6: one queue's script error never stops the sweep of the others -----
@@ -287,7 +287,7 @@ def test_a_queue_whose_scripts_fail_never_stops_the_sweep_of_the_others(
     time.sleep(0.4)
 
     # When: the sweep passes over both queues
-    sweep = Sweep(backend)
+    sweep = Sweep(backend.parts)
     redis_report = sweep.redis_pass()
     reconcile_report = sweep.reconcile()
 
@@ -313,7 +313,7 @@ def running_job_whose_cancel_redis_lost(backend: Any, client: redis.Redis) -> Cl
     result = demo.add.enqueue(1, 2)
     job = broker.claim("default", count=1, lease_ms=60_000).jobs[0]
     assert broker.start("default", [job.fence]) == [True]
-    assert staff.cancel(backend, result.id).done
+    assert staff.cancel(backend.parts, result.id).done
     lose_the_cancel(client, result.id, "running")
     return job
 
@@ -325,11 +325,11 @@ def test_a_cancel_of_a_waiting_job_lost_by_redis_is_applied_again_by_reconcile(
     rj_settings()
     backend = task_backends["default"]
     result = demo.add.enqueue(1, 2)
-    assert staff.cancel(backend, result.id).done
+    assert staff.cancel(backend.parts, result.id).done
     lose_the_cancel(redis_client, result.id, "queued")
 
     # When: reconcile runs
-    Sweep(backend).reconcile()
+    Sweep(backend.parts).reconcile()
 
     # Then: no worker can claim the job
     assert backend.broker.claim("default", count=10, lease_ms=60_000).jobs == []
@@ -346,7 +346,7 @@ def test_a_cancel_of_a_running_job_lost_by_redis_is_applied_again_by_reconcile(
     job = running_job_whose_cancel_redis_lost(backend, redis_client)
 
     # When: reconcile runs
-    Sweep(backend).reconcile()
+    Sweep(backend.parts).reconcile()
 
     # Then: its holder hears of the cancel at its next renewal, and its
     # finish ends the job cancelled in Redis
@@ -394,7 +394,7 @@ def test_prune_with_no_age_keeps_a_job_that_finished_a_moment_ago(
     rj_settings()
     backend = task_backends["default"]
     result = demo.add.enqueue(1, 2)
-    assert staff.cancel(backend, result.id).done
+    assert staff.cancel(backend.parts, result.id).done
 
     # When: finished jobs "older than 0 days" are pruned
     report = prune(backend, older_than=timedelta(0))
@@ -418,7 +418,7 @@ def test_prune_keeps_a_finished_row_whose_job_redis_still_runs(
     assert job.id == running.id
     assert broker.start("default", [job.fence]) == [True]
     for result in (running, done):
-        assert staff.cancel(backend, result.id).done
+        assert staff.cancel(backend.parts, result.id).done
     Job.objects.update(updated_at=timezone.now() - timedelta(days=2))
 
     # When: finished jobs older than a day are pruned
@@ -457,7 +457,7 @@ def test_reconcile_forgets_dead_jobs_that_have_no_row_once_the_grace_has_passed(
     Job.objects.filter(pk=kept.id).update(state=JobState.DEAD)
 
     # When: reconcile runs
-    report = Sweep(backend).reconcile()
+    report = Sweep(backend.parts).reconcile()
 
     # Then: only what has no row and died before the grace is gone
     assert sorted(redis_client.zrange(KEYS.dead, 0, -1)) == sorted(
@@ -488,7 +488,7 @@ def test_a_reconcile_whose_push_is_slower_than_the_grace_never_queues_the_job_tw
     reports: dict[str, Any] = {}
 
     def slow() -> None:
-        reports["slow"] = Sweep(backend).reconcile()
+        reports["slow"] = Sweep(backend.parts).reconcile()
         close_old_connections()
 
     with around_script(broker, "enqueue", stall):
@@ -500,7 +500,7 @@ def test_a_reconcile_whose_push_is_slower_than_the_grace_never_queues_the_job_tw
 
             # When: the grace passes and a second reconciler rebuilds it again
             backdate(result.id)
-            reports["second"] = Sweep(backend).reconcile()
+            reports["second"] = Sweep(backend.parts).reconcile()
         finally:
             go_on.set()
             thread.join(10)
@@ -536,7 +536,7 @@ def test_a_second_reconciler_never_undoes_a_run_the_first_did_not_see(
         return found
 
     def first() -> None:
-        Sweep(backend).reconcile()
+        Sweep(backend.parts).reconcile()
         close_old_connections()
 
     broker.held_states = held_states  # type: ignore[method-assign]
@@ -547,7 +547,7 @@ def test_a_second_reconciler_never_undoes_a_run_the_first_did_not_see(
 
         # When: a second reconciler runs meanwhile, and what it pushed (if
         # anything) runs to the end before the first one goes on
-        if Sweep(backend).reconcile().pushed:
+        if Sweep(backend.parts).reconcile().pushed:
             run_to_the_end(broker)
     finally:
         go_on.set()
@@ -579,14 +579,14 @@ def test_a_staff_retry_whose_push_redis_refuses_to_answer_is_pushed_by_reconcile
 
     # When: staff retry it
     with around_script(backend.broker, "enqueue", down):
-        said = staff.retry(backend, result.id)
+        said = staff.retry(backend.parts, result.id)
 
     # Then: staff are told the sweep will push it; the row is queued with its
     # new generation; reconcile pushes it after the grace, and it runs
     assert said.done and "the recovery sweep pushes it" in said.message
     assert Job.objects.get(pk=result.id).state == JobState.QUEUED
     backdate(result.id)
-    assert Sweep(backend).reconcile().pushed == 1
+    assert Sweep(backend.parts).reconcile().pushed == 1
     job = run_to_the_end(backend.broker)
     row = Job.objects.get(pk=result.id)
     assert (row.state, row.generation, job.gen) == (JobState.SUCCEEDED, 2, 2)

@@ -44,7 +44,7 @@ def test_a_job_that_finishes_while_reconcile_looks_is_not_pushed_again(
         started_at=timezone.now(), finished_at=timezone.now(),
         outcome=AttemptOutcome.SUCCEEDED, return_value=3)])
     assert backend.broker.ack("default", [claimed[0].fence]) == [True]
-    pushed, buried = Sweep(backend)._reconcile_queue("default", rows, older_than)
+    pushed, buried = Sweep(backend.parts)._reconcile_queue("default", rows, older_than)
 
     # Then: it is not pushed again, and its row stays succeeded
     assert (pushed, buried) == (0, 0)
@@ -68,7 +68,7 @@ def test_reconcile_pushes_only_lost_jobs_and_mirrors_deaths(
     backdate(held.id, lost.id, buried.id)
 
     # When: a reconcile pass runs
-    report = Sweep(backend).reconcile()
+    report = Sweep(backend.parts).reconcile()
 
     # Then: only the lost job is pushed again; the death is mirrored
     assert (report.checked, report.pushed, report.buried) == (3, 1, 1)
@@ -76,7 +76,7 @@ def test_reconcile_pushes_only_lost_jobs_and_mirrors_deaths(
     dead = Job.objects.get(pk=buried.id)
     assert (dead.state, dead.attempts, dead.last_error) == (JobState.DEAD, 3, "boom")
     # and a second pass pushes nothing (the grace period restarted for the pushed one)
-    assert Sweep(backend).reconcile().pushed == 0
+    assert Sweep(backend.parts).reconcile().pushed == 0
 
 
 def test_heartbeats_drop_workers_that_stopped_long_ago(

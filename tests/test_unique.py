@@ -223,7 +223,7 @@ def test_the_key_is_free_once_the_job_ends(backend: ReliableJobsBackend, ending:
         mirror.bury(backend.database, first.id, attempts=3, gen=0, error="boom")
         ending = "dead"
     else:
-        assert staff.cancel(backend, first.id).done
+        assert staff.cancel(backend.parts, first.id).done
 
     # When: the same call is enqueued again
     second = report.enqueue(1)
@@ -435,7 +435,7 @@ def test_a_job_retried_by_staff_runs_without_the_key_a_new_job_holds(
     second = report.enqueue(1)
 
     # When: staff retry the dead one
-    outcome = staff.retry(backend, first.id)
+    outcome = staff.retry(backend.parts, first.id)
 
     # Then: it is queued again without a key (the index would refuse two holders)
     assert outcome.done, outcome.message
@@ -453,7 +453,7 @@ def test_a_rebuild_from_the_mirror_keeps_the_key(
     backdate(first.id)
 
     # When: reconcile rebuilds it
-    assert Sweep(backend).reconcile().pushed == 1
+    assert Sweep(backend.parts).reconcile().pushed == 1
 
     # Then: it still holds its key
     assert redis_client.lrange(QUEUED, 0, -1) == [first.id]

@@ -47,6 +47,7 @@ from .timetable import MAX_COUNT, Cron, Every, Timetable, between, count
 if TYPE_CHECKING:
     from ..backend import ReliableJobsBackend
     from ..compat import Task
+    from ..conf import BackendOptions
 
 logger = logging.getLogger("reliable_jobs.scheduler")
 
@@ -129,11 +130,15 @@ def decide(timetable: Timetable, catch_up: str, start: datetime, now: datetime) 
     return Plan(on_time, skipped=missed, first_skipped=first_missed, last_skipped=newest_missed)
 
 
-def declarations(backend: ReliableJobsBackend) -> list[Declaration]:
-    """Every schedule of ``backend``: OPTIONS['SCHEDULE'] first, then ``@periodic`` ones."""
-    from_settings, _ = from_options(backend.config.SCHEDULE, backend.alias)
+def declarations(config: BackendOptions, alias: str) -> list[Declaration]:
+    """Backend ``alias``'s schedules: its OPTIONS['SCHEDULE'] first, then ``@periodic`` ones.
+
+    It takes the settings, not the backend (docs/design.md, "Layers"):
+    the scheduler and the backend's checks ask, each with what it holds.
+    """
+    from_settings, _ = from_options(config.SCHEDULE, alias)
     seen: dict[str, Declaration] = {}
-    for declaration in from_settings + decorated(backend.alias):
+    for declaration in from_settings + decorated(alias):
         seen.setdefault(declaration.name, declaration)  # a clash is reported by the checks
     return list(seen.values())
 
@@ -188,7 +193,7 @@ class Scheduler:
         discover()
         now = database_now(self.database)
         declared: dict[str, Declaration] = {}
-        for declaration in declarations(self.backend):
+        for declaration in declarations(self.backend.config, self.backend.alias):
             task = lookup(declaration.task_path)
             if task is None:
                 logger.error("Schedule %r names %r, which is not a registered task of an "

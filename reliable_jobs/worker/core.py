@@ -131,7 +131,7 @@ class Worker:
         self.finisher = Finisher(broker=self.broker, database=self.config.DATABASE,
                                  shared=self.shared)
         self.maintenance = Maintenance(
-            sweep=Sweep(backend, self.queues), database=self.config.DATABASE,
+            sweep=Sweep(backend.parts, self.queues), database=self.config.DATABASE,
             sweep_interval_ms=self.config.SWEEP_INTERVAL_MS,
             reconcile_grace_ms=self.config.RECONCILE_GRACE_MS, shared=self.shared,
             on_pass=self._report_progress if burst and progress else None)

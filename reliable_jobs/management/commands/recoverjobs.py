@@ -50,7 +50,7 @@ class Command(ReliableJobsCommand):
 
     def handle_backend(self, backend: ReliableJobsBackend, options: dict[str, Any]) -> None:
         interval = options["interval"]
-        sweep = Sweep(backend)
+        sweep = Sweep(backend.parts)
 
         def report_pass(report: SweepReport, took_ms: float) -> None:
             if options["verbosity"] >= 1:
