@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Iterable, Sequence
-from functools import cached_property
+from functools import cached_property, partial
 from typing import TYPE_CHECKING, Any
 
 from django.apps import apps
@@ -40,13 +40,14 @@ from .compat import (
     task_backends,
     task_enqueued,
 )
+from .flow import Limits, TaskFlow, task_flow
 from .keys import is_valid_queue_name
 from .newjobs import Calls, NewJobsBuilder, push_on_commit, unique_rule
 from .parts import BackendParts, task_option
 from .reachability import ensure_reachable
 from .results import job_result
 from .signalwatch import SignalWatch
-from .tasks import ReliableTask, lookup
+from .tasks import ReliableTask, lookup, rebuilt_flow
 
 if TYPE_CHECKING:
     from .mirror import NewRow
@@ -86,7 +87,8 @@ class ReliableJobsBackend(BaseTaskBackend):
     @cached_property
     def parts(self) -> BackendParts:
         """What the sweep and staff actions need of this backend (see ``parts.py``)."""
-        return BackendParts(self.alias, self.config, frozenset(self.queues), self.broker)
+        return BackendParts(self.alias, self.config, frozenset(self.queues), self.broker,
+                            flow_of=partial(rebuilt_flow, overrides=self._task_limits))
 
     @cached_property
     def _enqueued_watch(self) -> SignalWatch:
@@ -127,6 +129,14 @@ class ReliableJobsBackend(BaseTaskBackend):
             )
 
     # -- per-task settings ---------------------------------------------
+
+    def task_flow(self, task: object, path: str) -> TaskFlow | None:
+        """The flow limits of ``task`` (None when unknown to this process), or None."""
+        return task_flow(task, path, self._task_limits)
+
+    @cached_property
+    def _task_limits(self) -> dict[str, Limits]:
+        return self.config.task_limits()
 
     def task_option(self, task: Task[..., Any], name: str) -> Any:
         """A task's own option, or the backend default (``timeout_ms`` -> TIMEOUT_MS)."""
@@ -171,7 +181,8 @@ class ReliableJobsBackend(BaseTaskBackend):
             task, calls, alias=self.alias, now=timezone.now(), trace=trace,
             max_attempts=self.task_option(task, "max_attempts"), keyed=rule is not None,
             max_bytes=self.config.MAX_PAYLOAD_BYTES,
-            shards=self.config.SHARDS.get(task.queue_name, 1))
+            shards=self.config.SHARDS.get(task.queue_name, 1),
+            flow=self.task_flow(task, task.module_path))
         rows: Iterable[NewRow] = build.rows()
         if rule is not None or len(calls) == 1:
             rows = list(rows)  # every call checked (and keyed) before the first write

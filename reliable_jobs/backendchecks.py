@@ -44,6 +44,7 @@ PROBLEM_IDS: dict[ProblemKind, str] = {
     ProblemKind.APP_NOT_INSTALLED: "reliable_jobs.E009",
     ProblemKind.BAD_SHARDS: "reliable_jobs.E010",
     ProblemKind.BAD_SCHEDULE: "reliable_jobs.E011",
+    ProblemKind.BAD_LIMITS: "reliable_jobs.E017",
 }
 
 
@@ -72,6 +73,7 @@ def check_backend(backend: ReliableJobsBackend) -> list[checks.CheckMessage]:
             id="reliable_jobs.E010",
         ))
     messages += _check_schedules(where, backend)
+    messages += _check_limits(where, backend)
     options = backend.options
     if isinstance(options, dict) and options.get("REDIS_URL") in (None, ""):
         messages.append(checks.Warning(
@@ -87,6 +89,56 @@ def check_backend(backend: ReliableJobsBackend) -> list[checks.CheckMessage]:
         messages += _check_sqlite_transactions(where, backend.config.DATABASE)
     if not any(m.id == "reliable_jobs.E002" for m in messages):
         messages += _check_reachable(where, backend.config.REDIS_URL)
+    return messages
+
+
+def _check_limits(where: str, backend: ReliableJobsBackend) -> list[checks.CheckMessage]:
+    """E018 and E019 (E017, a malformed limit, comes from conf.parse with the other options).
+
+    E018: OPTIONS['QUEUE_LIMITS'] names a queue the backend does not serve,
+    or OPTIONS['TASK_OPTIONS'] a task no installed app defines (a typo that
+    would leave the task unlimited). E019: a limit on a sharded queue, which
+    each shard would enforce on its own (a shard is a queue of its own).
+    """
+    config = backend.config
+    messages: list[checks.CheckMessage] = []
+    for queue in sorted(set(config.QUEUE_LIMITS) - set(backend.queues)):
+        messages.append(checks.Error(
+            f"{where}: OPTIONS['QUEUE_LIMITS'] names {queue!r}, which is not in QUEUES.",
+            hint="Limit a queue the backend serves, or remove the entry.",
+            id="reliable_jobs.E018",
+        ))
+    sharded = {q for q, n in config.SHARDS.items() if n > 1}
+    for queue in sorted(sharded & set(config.QUEUE_LIMITS)):
+        messages.append(checks.Error(
+            f"{where}: queue {queue!r} has limits in OPTIONS['QUEUE_LIMITS'] and "
+            f"{config.SHARDS[queue]} shards: each shard would enforce them on its own.",
+            hint="Limit an unsharded queue (a shard is a queue of its own, in its own "
+                 "cluster slot), or drop the queue's shards.",
+            id="reliable_jobs.E019",
+        ))
+    if not config.TASK_OPTIONS or not apps_ready():
+        return messages
+    from .tasks import discover, lookup
+
+    discover()
+    for path in sorted(config.TASK_OPTIONS):
+        task = lookup(path)
+        if task is None:
+            messages.append(checks.Error(
+                f"{where}: OPTIONS['TASK_OPTIONS'] names {path!r}, which is not a task "
+                "defined in an installed app's tasks module.",
+                hint="Use the task's import path (myapp.tasks.send_mail), or remove the entry.",
+                id="reliable_jobs.E018",
+            ))
+        elif task.queue_name in sharded:
+            messages.append(checks.Error(
+                f"{where}: OPTIONS['TASK_OPTIONS'] limits {path!r}, whose queue "
+                f"{task.queue_name!r} has {config.SHARDS[task.queue_name]} shards: each "
+                "shard would enforce the limits on its own.",
+                hint="Run limited tasks on an unsharded queue.",
+                id="reliable_jobs.E019",
+            ))
     return messages
 
 

@@ -24,6 +24,10 @@ registers the app-wide ones. Ids:
 - E016 the job mirror on SQLite without ``transaction_mode`` "IMMEDIATE"
   (or "EXCLUSIVE"): row locks do nothing there, so the mirror's writers
   must take the database's write lock when their transaction begins.
+- E017 a bad OPTIONS['QUEUE_LIMITS'] or OPTIONS['TASK_OPTIONS'] entry (a rate
+  that is not count/period, a cap that is not 1 to 10,000, an unknown key);
+  E018 a limit naming a queue not in QUEUES or a task no installed app
+  defines; E019 a limit on a sharded queue (each shard would enforce it alone).
 - W001 Redis does not answer (a warning: it may start after the web app).
 - W003 Redis may evict keys (maxmemory-policy is not noeviction); a
   deployment check (``check --deploy``).

@@ -96,7 +96,9 @@ if TYPE_CHECKING:
             max_attempts: int | None = None, retry_base_ms: int | None = None,
             retry_max_ms: int | None = None, timeout_ms: int | None = None,
             unique_for_ms: int | None = None, unique_by: UniqueBy | None = None,
-            unique_while_running: bool = False,
+            unique_while_running: bool = False, rate_limit: str | None = None,
+            concurrency: int | None = None, rate_key: Callable[..., Any] | None = None,
+            concurrency_key: Callable[..., Any] | None = None,
         ) -> Task[P, R]: ...
         @overload
         def __call__[**P, R](
@@ -106,7 +108,9 @@ if TYPE_CHECKING:
             max_attempts: int | None = None, retry_base_ms: int | None = None,
             retry_max_ms: int | None = None, timeout_ms: int | None = None,
             unique_for_ms: int | None = None, unique_by: UniqueBy | None = None,
-            unique_while_running: bool = False,
+            unique_while_running: bool = False, rate_limit: str | None = None,
+            concurrency: int | None = None, rate_key: Callable[..., Any] | None = None,
+            concurrency_key: Callable[..., Any] | None = None,
         ) -> Task[P, R]: ...
         @overload
         def __call__[**P, R](
@@ -116,7 +120,9 @@ if TYPE_CHECKING:
             max_attempts: int | None = None, retry_base_ms: int | None = None,
             retry_max_ms: int | None = None, timeout_ms: int | None = None,
             unique_for_ms: int | None = None, unique_by: UniqueBy | None = None,
-            unique_while_running: bool = False,
+            unique_while_running: bool = False, rate_limit: str | None = None,
+            concurrency: int | None = None, rate_key: Callable[..., Any] | None = None,
+            concurrency_key: Callable[..., Any] | None = None,
         ) -> Callable[[Callable[Concatenate[TaskContext[Any, Any], P], R]], Task[P, R]]: ...
         @overload
         def __call__[**P, R](
@@ -126,7 +132,9 @@ if TYPE_CHECKING:
             max_attempts: int | None = None, retry_base_ms: int | None = None,
             retry_max_ms: int | None = None, timeout_ms: int | None = None,
             unique_for_ms: int | None = None, unique_by: UniqueBy | None = None,
-            unique_while_running: bool = False,
+            unique_while_running: bool = False, rate_limit: str | None = None,
+            concurrency: int | None = None, rate_key: Callable[..., Any] | None = None,
+            concurrency_key: Callable[..., Any] | None = None,
         ) -> Callable[[Callable[P, R]], Task[P, R]]: ...
 
     task: _TaskDecorator

@@ -15,6 +15,7 @@ from difflib import get_close_matches
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
+from .flow import NO_LIMITS, Limits, parse_queue_limits, parse_task_options
 from .keys import MAX_SHARDS, PREFIX_RE, is_valid_queue_name
 from .redaction import SafeExceptionReporterFilter, mask_password
 
@@ -36,6 +37,7 @@ class ProblemKind(enum.Enum):
     APP_NOT_INSTALLED = enum.auto()
     BAD_SHARDS = enum.auto()
     BAD_SCHEDULE = enum.auto()
+    BAD_LIMITS = enum.auto()
 
 
 #: One problem: its kind and a whole-sentence message.
@@ -95,12 +97,26 @@ class BackendOptions:
     #: "tz": ..., or "every_ms": ..., "args": [...], "kwargs": {...},
     #: "catch_up": "all" | "last" | "none", "queue": ...}} (see periodic/declared.py).
     SCHEDULE: dict[str, Any] = field(default_factory=dict)
+    #: Flow control per queue: {queue: {"rate_limit": "100/s", "concurrency": 5}},
+    #: enforced by the claim script across every worker (see flow.py).
+    QUEUE_LIMITS: dict[str, Any] = field(default_factory=dict)
+    #: Per-task limits set in settings, {task path: {"rate_limit": ...,
+    #: "concurrency": ...}}; each one set wins over the task's own option.
+    TASK_OPTIONS: dict[str, Any] = field(default_factory=dict)
     #: What parse() found wrong, as (kind, message) pairs.
     problems: tuple[Problem, ...] = field(default=(), compare=False)
 
     @property
     def renew_interval_ms(self) -> int:
         return self.RENEW_INTERVAL_MS or max(1, self.LEASE_MS // 3)
+
+    def queue_limits(self, queue: str) -> Limits:
+        """The flow limits of ``queue`` (a logical queue name), NO_LIMITS when none."""
+        return parse_queue_limits(self.QUEUE_LIMITS)[0].get(queue, NO_LIMITS)
+
+    def task_limits(self) -> dict[str, Limits]:
+        """OPTIONS['TASK_OPTIONS'] as limits by task path."""
+        return parse_task_options(self.TASK_OPTIONS)[0]
 
 
 OPTION_NAMES = tuple(f.name for f in fields(BackendOptions) if f.name.isupper())
@@ -191,6 +207,13 @@ def parse(raw: Any) -> BackendOptions:
         problems += [(ProblemKind.BAD_SCHEDULE, message) for message in schedule_problems]
         if not isinstance(values["SCHEDULE"], dict):
             values.pop("SCHEDULE")
+    for name, parse_one in (("QUEUE_LIMITS", parse_queue_limits),
+                            ("TASK_OPTIONS", parse_task_options)):
+        if name in values:
+            _, limit_problems = parse_one(values[name])
+            problems += [(ProblemKind.BAD_LIMITS, message) for message in limit_problems]
+            if limit_problems:
+                values.pop(name)
     if not isinstance(values.get("DATABASE", "default"), str):
         problems.append((ProblemKind.BAD_VALUE,
                          "OPTIONS['DATABASE'] must be a database alias."))

@@ -2,7 +2,8 @@
 
 Queue counts, latency (the age of each queue's oldest ready job and oldest
 due scheduled job, see scripts/latency.lua) and workers come live from Redis
-(list lengths, two bounded reads per shard, and heartbeats);
+(list lengths, two bounded reads per shard, and heartbeats), and so does
+each limit's use (flowstats.py);
 throughput comes from the ``Attempt`` rows of the last hour; drift compares
 the two sides the way reconcile does. A sharded queue is one line: the sum
 of every shard a worker drains (see :func:`shards_of`), and each row is
@@ -28,6 +29,7 @@ from django.db.models.functions import TruncMinute
 from django.utils import timezone
 
 from .broker import REDIS_ERRORS
+from .flowstats import LimitLine, limit_lines
 from .keys import logical_queue, shard_index, shard_queue
 from .models import FAILED_OUTCOMES, UNFINISHED_STATES, Attempt, AttemptOutcome, Job, JobState
 
@@ -133,6 +135,8 @@ class Snapshot:
     workers: list[WorkerLine] = field(default_factory=list)
     minutes: list[Minute] = field(default_factory=list)
     drift: Drift | None = None
+    #: Each rate limit's and concurrency cap's use (flowstats.py).
+    limits: list[LimitLine] = field(default_factory=list)
     #: Why a part is missing: one whole sentence per server that failed.
     problems: list[str] = field(default_factory=list)
 
@@ -159,6 +163,7 @@ def snapshot(backend: ReliableJobsBackend, *, now: datetime | None = None) -> Sn
     try:
         snap.queues = queue_counts(backend)
         snap.workers = workers(backend)
+        snap.limits = limit_lines(backend, [p for ps in shards_of(backend).values() for p in ps])
     except REDIS_ERRORS as exc:
         snap.problems.append(f"Redis did not answer ({exc}): queue counts, latency and "
                              "workers are unknown.")

@@ -115,6 +115,32 @@ class QueueKeys:
         return f"{self.base}:strays"
 
     @property
+    def paused(self) -> str:
+        """Reserved for pause/resume: claim.lua declares it as KEYS[11]."""
+        return f"{self.base}:paused"
+
+    @property
+    def flow_prefix(self) -> str:
+        """A limit's keys are ``flow_prefix + kind + ':' + wire name`` (see flow.py).
+
+        ``log:<wire>`` (sorted set, a rate limit's sliding log of claims),
+        ``tat:<wire>`` (string, its pacing), ``run:<wire>`` (sorted set, a
+        cap's admitted ids), ``held:<wire>`` (list, the jobs the limit holds
+        back); ``log:q`` is the queue's own
+        rate log. Scripts receive it as a KEYS entry, like :attr:`job_prefix`.
+        """
+        return f"{self.base}:flow:"
+
+    def flow(self, kind: str, wire: str) -> str:
+        """One limit's key: ``kind`` is 'log', 'tat', 'run' or 'held'."""
+        return f"{self.flow_prefix}{kind}:{wire}"
+
+    @property
+    def holds(self) -> str:
+        """Sorted set: wire name of a limit holding jobs back -> when it may let one go (ms)."""
+        return f"{self.base}:flow-holds"
+
+    @property
     def processing(self) -> str:
         """Legacy: the list where version 0.1 kept claimed ids.
 

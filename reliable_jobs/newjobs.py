@@ -26,6 +26,7 @@ from .results import ResultStamp, task_result
 from .tasks import ReliableTask
 
 if TYPE_CHECKING:
+    from .flow import TaskFlow
     from .mirror import UniqueRule
     from .mirror.records import NewJobs, NewRow
     from .models import Job
@@ -40,6 +41,16 @@ Calls = Sequence[tuple[Sequence[Any], dict[str, Any]]]
 PUSH_CHUNK = 1000
 
 
+def _checked(flow: TaskFlow) -> Callable[[list[Any], dict[str, Any]], str]:
+    """``flow.spec``, its ValueError (a key that is not JSON) an InvalidTask for the caller."""
+    def spec(args: list[Any], kwargs: dict[str, Any]) -> str:
+        try:
+            return flow.spec(args, kwargs)
+        except ValueError as exc:
+            raise InvalidTask(str(exc)) from None
+    return spec
+
+
 class NewJobsBuilder:
     """Makes the rows, pushes and results of one enqueue of ``task``'s ``calls``.
 
@@ -52,10 +63,11 @@ class NewJobsBuilder:
 
     def __init__(self, task: Task[..., Any], calls: Calls, *, alias: str, now: datetime,
                  max_attempts: int, max_bytes: int, shards: int, trace: str | None,
-                 keyed: bool) -> None:
+                 keyed: bool, flow: TaskFlow | None = None) -> None:
         self.task, self.calls, self.alias, self.now = task, calls, alias, now
         self.max_attempts, self.shards, self.keyed = max_attempts, shards, keyed
-        self.encode = payload.CallEncoder(task.module_path, max_bytes=max_bytes, trace=trace)
+        self.encode = payload.CallEncoder(task.module_path, max_bytes=max_bytes, trace=trace,
+                                          flow=_checked(flow) if flow is not None else None)
         #: The jobs to push once the rows commit, by physical queue (shard).
         self.pushes: dict[str, list[NewJob]] = defaultdict(list)
         #: Each call's result, in the calls' order.

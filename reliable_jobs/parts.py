@@ -9,6 +9,7 @@ object instead, so imports run one way (see docs/design.md, "Layers").
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,9 @@ class BackendParts:
     queues: frozenset[str]
     #: Its Redis side.
     broker: Broker
+    #: The flow spec a rebuilt job carries again (``tasks.rebuilt_flow`` with
+    #: the backend's OPTIONS['TASK_OPTIONS']): (task path, args, kwargs) -> spec.
+    flow_of: Callable[[str, list[Any], dict[str, Any]], str] = lambda path, args, kwargs: ""
 
     def task_option(self, task: Task[..., Any], name: str) -> Any:
         """A task's own option, or this backend's default (see :func:`task_option`)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -152,14 +153,15 @@ def check_call(args: tuple[Any, ...] | list[Any], kwargs: dict[str, Any]) -> Non
 
 
 def encode(task_path: str, args: tuple[Any, ...] | list[Any], kwargs: dict[str, Any],
-           *, max_bytes: int, trace: str | None = None) -> str:
+           *, max_bytes: int, trace: str | None = None,
+           flow: Callable[[list[Any], dict[str, Any]], str] | None = None) -> str:
     """Check the task path and the arguments; return the payload text written to Redis.
 
     ``trace``, the enqueuer's traceparent (see tracing.py), is stored only
     when it is a well-formed one; the field is left out otherwise. One call
     of the one encoder, :class:`CallEncoder`.
     """
-    return CallEncoder(task_path, max_bytes=max_bytes, trace=trace)(args, kwargs)[0]
+    return CallEncoder(task_path, max_bytes=max_bytes, trace=trace, flow=flow)(args, kwargs)[0]
 
 
 def _check_size(text: str, max_bytes: int) -> None:
@@ -185,7 +187,8 @@ class CallEncoder:
     are instead of encoding the arguments a second time.
     """
 
-    def __init__(self, task_path: str, *, max_bytes: int, trace: str | None = None) -> None:
+    def __init__(self, task_path: str, *, max_bytes: int, trace: str | None = None,
+                 flow: Callable[[list[Any], dict[str, Any]], str] | None = None) -> None:
         if not is_task_path(task_path):
             raise InvalidTask(
                 f"The task path {_shorten(task_path)} is not a dotted Python path of at most "
@@ -196,6 +199,9 @@ class CallEncoder:
         self._tail = (',"trace":' + _encoder.encode(trace)
                       if trace is not None and is_traceparent(trace) else "") + "}"
         self._max_bytes = max_bytes
+        #: The call's flow limits (flow.TaskFlow.spec), written first in the
+        #: payload so the claim script reads them with one anchored match.
+        self._flow = flow
 
     def __call__(self, args: tuple[Any, ...] | list[Any],
                  kwargs: dict[str, Any]) -> tuple[str, str, str]:
@@ -206,7 +212,12 @@ class CallEncoder:
             check_call(args, kwargs)
             args_json = _encoder.encode(args)
             kwargs_json = _encoder.encode(kwargs)
-        text = f'{self._head}{args_json},"kwargs":{kwargs_json}{self._tail}'
+        head = self._head
+        if self._flow is not None:
+            spec = self._flow(list(args), dict(kwargs))
+            if spec:
+                head = '{"flow":' + _encoder.encode(spec) + "," + head[1:]
+        text = f'{head}{args_json},"kwargs":{kwargs_json}{self._tail}'
         _check_size(text, self._max_bytes)
         return text, args_json, kwargs_json
 

@@ -77,7 +77,7 @@ def retry(parts: BackendParts, job_id: Any) -> StaffResult:
         if held is None:
             mirror.next_generation(database, [job])
             attempts = job.attempts
-            rebuild = _rebuilt(job, max_attempts=attempts + extra)
+            rebuild = _rebuilt(parts, job, max_attempts=attempts + extra)
         elif held["state"] == JobState.DEAD:
             attempts = max(job.attempts, int(held["attempts"]))
             if not parts.broker.revive(job.physical_queue, jid, extra_attempts=extra):
@@ -158,7 +158,7 @@ def requeue(parts: BackendParts, job_id: Any) -> StaffResult:
             mirror.next_generation(database, [job])
             budget = (job.max_attempts if job.max_attempts > job.attempts
                       else job.attempts + fresh_budget(parts, job))
-            rebuild = _rebuilt(job, max_attempts=budget)
+            rebuild = _rebuilt(parts, job, max_attempts=budget)
             mirror.mark_queued_again(database, job, max_attempts=budget, clear_run_after=future)
         elif job.state == JobState.DEAD:
             return StaffResult(jid, False, f"Job {jid} is dead: use the retry action, which "
@@ -229,9 +229,10 @@ def fresh_budget(parts: BackendParts, job: Job) -> int:
     return int(parts.task_option(task, "max_attempts"))
 
 
-def _rebuilt(job: Job, *, max_attempts: int) -> NewJob:
+def _rebuilt(parts: BackendParts, job: Job, *, max_attempts: int) -> NewJob:
     """The Redis job for a row, due now, attempts kept (see mirror.rebuilt_job)."""
-    return mirror.rebuilt_job(job, max_attempts=max_attempts, max_bytes=REBUILD_MAX_BYTES)
+    return mirror.rebuilt_job(job, max_attempts=max_attempts, max_bytes=REBUILD_MAX_BYTES,
+                              flow=parts.flow_of)
 
 
 def _push(parts: BackendParts, job: Job, rebuild: NewJob, verb: str

@@ -422,7 +422,8 @@ class Sweep:
             mirror.next_generation(database, lost_rows)
             lost = [mirror.rebuilt_job(row, max_attempts=row.max_attempts,
                                 due_ms=epoch_ms(row.run_after) if row.run_after
-                                and row.run_after > now else 0)
+                                and row.run_after > now else 0,
+                                flow=self.parts.flow_of)
                     for row in lost_rows]
             if lost:
                 mirror.mark_rebuilt(database, lost_rows, now=now)

@@ -1,7 +1,8 @@
 """The task class of this backend, and the allow-list of runnable tasks.
 
 ``@task(max_attempts=5, retry_base_ms=500, timeout_ms=60_000)`` (and the
-unique options, ``unique_for_ms=60_000``) works
+unique options, ``unique_for_ms=60_000``, and the flow limits,
+``rate_limit="10/s"``, ``concurrency=2``, ``rate_key=``, ``concurrency_key=``) works
 because Django's ``task()`` passes extra keyword arguments to the backend's
 ``task_class``. Every such task registers itself by its import path when it
 is created. A worker fills the registry at start-up (:func:`discover` imports
@@ -14,6 +15,7 @@ data, not code, and a path is only ever a dictionary key here.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +25,7 @@ from django.dispatch import receiver
 from django.utils.module_loading import autodiscover_modules
 
 from .compat import InvalidTask, Task, UniqueBy
+from .flow import Limits, check_task_options, task_flow
 from .unique import check_options
 
 _registry: dict[str, Task[..., Any]] = {}
@@ -56,6 +59,16 @@ class ReliableTask(Task):  # type: ignore[type-arg]  # generic only in django-st
     #: Whether a running job still counts (by default only queued and
     #: scheduled ones do: a call made while the job runs enqueues another).
     unique_while_running: bool = False
+    #: At most this many jobs of the task start per period ("100/s", "6000/m",
+    #: "10/500ms"), across every worker (see flow.py); None: no rate limit.
+    rate_limit: str | None = None
+    #: At most this many of its jobs run at once, across every worker.
+    concurrency: int | None = None
+    #: A function of the call's arguments: each value it returns gets its own
+    #: rate limit (per customer, per host); None: one limit for the task.
+    rate_key: Callable[..., Any] | None = None
+    #: Likewise for the concurrency cap.
+    concurrency_key: Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
         # Zero-argument super() does not work in a slots dataclass.
@@ -71,6 +84,10 @@ class ReliableTask(Task):  # type: ignore[type-arg]  # generic only in django-st
             # Frozen dataclasses hash their fields: keep the names as a tuple.
             object.__setattr__(self, "unique_by", tuple(self.unique_by))
         check_options(self)
+        problem = check_task_options(self.rate_limit, self.concurrency, self.rate_key,
+                                     self.concurrency_key)
+        if problem:
+            raise InvalidTask(problem)
         register(self)
 
 
@@ -84,6 +101,38 @@ def registered() -> list[Task[..., Any]]:
     """Every task registered in this process so far (for system checks)."""
     with _lock:
         return list(_registry.values())
+
+
+def registered_as(task_path: str) -> Task[..., Any] | None:
+    """The task registered for ``task_path`` in this process, or None; imports nothing.
+
+    For reading a task's options (a rebuild's flow limits), never for
+    running it: :func:`lookup` decides what a worker may run.
+    """
+    with _lock:
+        return _registry.get(task_path)
+
+
+def rebuilt_flow(path: str, args: list[Any], kwargs: dict[str, Any], *,
+                 overrides: Mapping[str, Limits]) -> str:
+    """The flow spec a rebuilt job of ``path`` carries again (see mirror.rebuilt_job).
+
+    The task is looked up in this process's registry (workers and the sweep
+    discover every installed app's tasks); an unknown task is rebuilt with
+    its OPTIONS['TASK_OPTIONS'] limits (``overrides``) only, and a key
+    function that now fails on the call's arguments gives no key limit.
+    """
+    task = registered_as(path)
+    if task is None:
+        discover()  # a staff process may not have imported the tasks modules yet
+        task = registered_as(path)
+    flow = task_flow(task, path, overrides)
+    if flow is None:
+        return ""
+    try:
+        return flow.spec(args, kwargs)
+    except ValueError:
+        return ""
 
 
 def lookup(task_path: object) -> Task[..., Any] | None:

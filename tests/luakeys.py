@@ -14,8 +14,9 @@ import re
 #: Commands the scripts use whose first argument is their only key.
 ONE_KEY_COMMANDS = frozenset({
     "EXISTS", "GET", "HDEL", "HGET", "HINCRBY", "HMGET", "HSET", "LINDEX", "LLEN", "LPOP", "LPOS",
-    "LPUSH", "LRANGE", "LREM", "LTRIM", "PEXPIRE", "PTTL", "RPUSH", "SET", "ZADD", "ZCARD",
-    "ZINCRBY", "ZRANGE", "ZRANGEBYSCORE", "ZREM", "ZREVRANGEBYSCORE", "ZSCORE",
+    "LPUSH", "LRANGE", "LREM", "LTRIM", "PEXPIRE", "PTTL", "RPOP", "RPUSH", "SET", "ZADD",
+    "ZCARD", "ZINCRBY", "ZRANGE", "ZRANGEBYSCORE", "ZREM", "ZREMRANGEBYSCORE",
+    "ZREVRANGEBYSCORE", "ZSCORE",
 })
 
 
@@ -71,7 +72,7 @@ def header_keys(source: str) -> list[tuple[int, str]]:
     """(index, name) for each ``KEYS[i] name`` line of a script's header."""
     header = re.match(r"--\[\[(.*?)\]\]", source, flags=re.DOTALL)
     assert header, "the script does not open with a --[[ ]] header"
-    prefixes = ("job prefix", "band prefix")
+    prefixes = ("job prefix", "band prefix", "flow prefix")
     return [(int(index), " ".join(rest.split()[:2]) if rest.startswith(prefixes)
              else rest.split()[0])
             for index, rest in re.findall(r"^\s*KEYS\[(\d+)\]\s+(.+)$", header.group(1),
@@ -88,7 +89,9 @@ def key_problems(source: str) -> list[str]:
     job_prefix = next((name for name in bound if name == "job_prefix"), None)
     # A priority band's list is band_prefix .. priority (keys.QueueKeys.band).
     band_prefix = next((name for name in bound if name == "band_prefix"), None)
-    plain_keys = {name for name in bound if name not in (job_prefix, band_prefix)}
+    # A limit's keys are flow_prefix .. kind .. wire name (keys.QueueKeys.flow).
+    flow_prefix = next((name for name in bound if name == "flow_prefix"), None)
+    plain_keys = {name for name in bound if name not in (job_prefix, band_prefix, flow_prefix)}
     job_keys: set[str] = set()
     if job_prefix:
         job_keys = set(re.findall(rf"\blocal\s+(\w+)\s*=\s*{job_prefix}\s*\.\.\s*\w+\s*$", code,
@@ -109,6 +112,8 @@ def key_problems(source: str) -> list[str]:
         return (expression in plain_keys or expression in job_keys
                 or bool(job_prefix and re.fullmatch(rf"{job_prefix}\s*\.\.\s*\w+", expression))
                 or bool(band_prefix and re.fullmatch(rf"{band_prefix}\s*\.\.\s*\w+", expression))
+                or bool(flow_prefix and re.fullmatch(rf"{flow_prefix}\s*\.\.\s*'\w+:'\s*\.\.\s*\w+",
+                                                     expression))
                 or bool(unpacked and unpacked.group(1) in key_tables))
 
     for arguments in redis_calls(code):

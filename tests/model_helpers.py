@@ -54,6 +54,8 @@ JUMP_MS = LEASE_MS * 6 // 5
 QUEUE = "default"
 #: Workers the machine simulates.
 WORKERS = 3
+#: The cap of demo.capped_add.
+CAP = 2
 #: How far in the future a deferred enqueue is due, and a retry delay: both
 #: due after one jump.
 DEFER_MS = LEASE_MS // 3
@@ -163,6 +165,8 @@ class QueueMachine(RuleBasedStateMachine):
         self.still_running: dict[str, Fence] = {}
         #: The finisher's Redis step, as the worker runs it (real code).
         self.finisher = finisher(self.backend)
+        #: Jobs of demo.capped_add: at most CAP of them hold a slot at once.
+        self.capped: set[str] = set()
         self.failed = False
 
     # -- helpers ---------------------------------------------------------
@@ -324,7 +328,7 @@ class QueueMachine(RuleBasedStateMachine):
         machine writes to this Redis database, so nothing runs in between.
         """
         client = self.broker.client
-        for key in (self.keys.leases, self.keys.scheduled):
+        for key in (self.keys.leases, self.keys.scheduled, self.keys.holds):
             entries = client.zrange(key, 0, -1, withscores=True)
             if entries:
                 client.zadd(key, {member: score - JUMP_MS for member, score in entries})
@@ -373,6 +377,15 @@ class QueueMachine(RuleBasedStateMachine):
         if job.id in self.outlived_a_flush and row is not None and row.generation > job.gen:
             self.stale_incarnation.add(job.id)
         self.backend._push(QUEUE, [job])
+
+    @precondition(lambda self: len(self.jobs) < 6)
+    @rule()
+    def enqueue_capped(self) -> None:
+        """A job of a task capped at CAP running at once (flow control), in a transaction."""
+        with transaction.atomic():
+            result = demo.capped_add.enqueue(len(self.jobs), 1)
+        self.jobs.append(result.id)
+        self.capped.add(result.id)
 
     @precondition(lambda self: len(self.jobs) < 6)
     @rule()
@@ -690,7 +703,8 @@ class QueueMachine(RuleBasedStateMachine):
         job_id = self.jobs[index % len(self.jobs)]
         with self.slowly(slow_push):
             done = self.staff_commit(job_id, commit_fails,
-                                     lambda: getattr(staff, action)(self.backend, job_id).done)
+                                     lambda: getattr(staff, action)(self.backend.parts,
+                                                                    job_id).done)
         if not done:
             return
         if action == "cancel":
@@ -830,7 +844,7 @@ class QueueMachine(RuleBasedStateMachine):
         if not unfinished:
             return
         client, k = self.broker.client, self.keys
-        queued = set(client.lrange(k.queued, 0, -1))
+        queued = set(client.lrange(k.queued, 0, -1)) | self.held_ids()
         for band in client.zrange(k.bands, 0, -1):
             queued |= set(client.lrange(k.band(int(band)), 0, -1))
         landing = set(client.lrange(k.landing, 0, -1))
@@ -865,7 +879,7 @@ class QueueMachine(RuleBasedStateMachine):
         if not rows:
             return
         client, k = self.broker.client, self.keys
-        landing = set(client.lrange(k.landing, 0, -1))
+        landing = set(client.lrange(k.landing, 0, -1)) | self.held_ids()
         with client.pipeline(transaction=False) as pipe:
             for job_id in rows:
                 pipe.hmget(k.job(job_id), "state", "priority")
@@ -883,6 +897,43 @@ class QueueMachine(RuleBasedStateMachine):
                     client.lpos(k.band(band), job_id) is None:
                 self.fail(f"job {job_id} is queued at priority {band} but not on that "
                           "priority's list")
+
+    def held_ids(self) -> set[str]:
+        """Ids a limit holds back: on the held list of a limit listed in holds."""
+        client, k = self.broker.client, self.keys
+        held: set[str] = set()
+        for wire in client.zrange(k.holds, 0, -1):
+            held |= set(client.lrange(k.flow("held", wire), 0, -1))
+        return held
+
+    def counted_slots(self) -> set[str]:
+        """The ids the cap of demo.capped_add counts: its running set's members with a lease."""
+        client, k = self.broker.client, self.keys
+        members = client.zrange(k.flow("run", f"c:{demo.capped_add.module_path}"), 0, -1)
+        return {m for m in members if client.zscore(k.leases, m) is not None}
+
+    @invariant()
+    def capped_jobs_stay_within_their_cap(self) -> None:
+        """No slot is double-counted or granted twice: at most CAP capped jobs are held.
+
+        Every capped job a worker holds with a current token counts a slot
+        (else a claim could grant one more), and the slots counted never
+        exceed the cap. (A slot leaked, counted for a job that ended, is
+        caught at the end: see teardown.)
+        """
+        if not self.capped:
+            return
+        counted = self.counted_slots()
+        if len(counted) > CAP:
+            self.fail(f"the cap of {CAP} counts {len(counted)} slots: {sorted(counted)}")
+        found = self.job_hashes(list(self.capped))
+        held = {fence[0] for _, fence, _ in self.all_fences()
+                if fence[0] in self.capped and self.is_current(fence, found[fence[0]])}
+        if len(held) > CAP:
+            self.fail(f"{len(held)} capped jobs are held at once (cap {CAP}): {sorted(held)}")
+        if held - counted:
+            self.fail(f"capped jobs {sorted(held - counted)} are held with a current token "
+                      "but count no slot: a claim could start one more than the cap")
 
     @invariant()
     def redis_and_row_agree_on_the_generation(self) -> None:
@@ -951,3 +1002,9 @@ class QueueMachine(RuleBasedStateMachine):
                           f"Redis {self.job_hashes([job_id])[job_id]})")
             if row.state == JobState.DEAD and not row.last_error:
                 self.fail(f"job {job_id} is dead without an error")
+        # Leases that outlived their job's end (a dead holder's) run out, and the sweep takes them.
+        self.jump()
+        Sweep(self.backend).redis_pass()
+        if self.counted_slots():
+            self.fail(f"slots leaked: the cap still counts {sorted(self.counted_slots())} "
+                      "after every job ended")

@@ -157,7 +157,7 @@ def test_a_staff_rebuild_whose_push_answers_slowly_is_not_lost(
     # When: staff retry or requeue it
     with idle_in_transaction_timeout(200), around_script(
             backend.broker, "enqueue", lambda: time.sleep(0.6)):
-        as_the_maintenance_thread(lambda: getattr(staff, action)(backend, result.id))
+        as_the_maintenance_thread(lambda: getattr(staff, action)(backend.parts, result.id))
 
     # Then: the job runs, and its run is the job's history (the row is not
     # left dead or cancelled under a job Redis runs)

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..keys import worker_key, workers_index
 from .core import BrokerCore
-from .records import Latency, Progress, QueueCounts, WorkerBeat
+from .records import Latency, LimitUse, Progress, QueueCounts, WorkerBeat
 
 #: How long a worker that stopped beating stays in the workers index, in ms.
 WORKER_INDEX_KEEP_MS = 3_600_000
@@ -20,6 +20,8 @@ WORKER_INDEX_KEEP_MS = 3_600_000
 #: Ids latency.lua reads at most from a queue's oldest end, past cancelled
 #: tombstones and stray copies, to find the oldest job that will run.
 LATENCY_LOOK = 20
+#: Limits whose held lists counts() and the dashboard add up at most.
+HELD_LOOK = 100
 
 
 class Inspection(BrokerCore):
@@ -95,7 +97,55 @@ class Inspection(BrokerCore):
                 for band in bands:
                     pipe.llen(f"{k.band_prefix}{band}")
                 queued += sum(pipe.execute())
-        return QueueCounts(queued, running, scheduled, dead)
+        held = sum(self.held_back(queue).values())
+        return QueueCounts(queued + held, running, scheduled, dead, held)
+
+    def held_back(self, queue: str, *, look: int = HELD_LOOK) -> dict[str, int]:
+        """Jobs each limit of ``queue`` holds back (its held list), by wire name.
+
+        The ``look`` limits due soonest at most (a per-key limit has one per
+        key): a look bounded whatever the number of keys.
+        """
+        k = self.keys(queue)
+        wires = self.client.zrange(k.holds, 0, look - 1)
+        if not wires:
+            return {}
+        with self.client.pipeline(transaction=False) as pipe:
+            for wire in wires:
+                pipe.llen(k.flow("held", wire))
+            lengths = pipe.execute()
+        return {wire: int(n) for wire, n in zip(wires, lengths, strict=True) if n}
+
+    def limit_use(self, queue: str, limits: Sequence[tuple[str, int]]) -> list[LimitUse]:
+        """The current use of each limit named (wire name, window in ms; 'q' the queue's own).
+
+        A cap's running jobs are the members of its running set that still
+        hold a lease (as the claim counts them); a rate's recent claims are
+        those of its log in the last window, on the server's clock.
+        """
+        k = self.keys(queue)
+        now_ms = self.server_time_ms()
+        with self.client.pipeline(transaction=False) as pipe:
+            for wire, window_ms in limits:
+                if wire == "q":
+                    pipe.zcard(k.leases)
+                    pipe.zcount(k.flow("log", "q"), f"({now_ms - window_ms}", "+inf")
+                    pipe.llen(k.queued)
+                else:
+                    pipe.zrange(k.flow("run", wire), 0, -1)
+                    pipe.zcount(k.flow("log", wire), f"({now_ms - window_ms}", "+inf")
+                    pipe.llen(k.flow("held", wire))
+            replies = pipe.execute()
+        uses = []
+        for index, (wire, _) in enumerate(limits):
+            running, recent, held = replies[3 * index:3 * index + 3]
+            if wire != "q":
+                with self.client.pipeline(transaction=False) as pipe:
+                    for member in running:
+                        pipe.zscore(k.leases, member)
+                    running = sum(score is not None for score in pipe.execute())
+            uses.append(LimitUse(wire, int(running), int(recent), int(held)))
+        return uses
 
     def latency(self, queue: str, *, look: int = LATENCY_LOOK) -> Latency:
         """The age of ``queue``'s oldest ready job and oldest due scheduled job.

@@ -100,21 +100,25 @@ class Lifecycle(BrokerCore):
                         if got is not None and q not in found]
 
     def claim(
-        self, queue: str, *, count: int, lease_ms: int, moved_id: str | None = None
+        self, queue: str, *, count: int, lease_ms: int, moved_id: str | None = None,
+        limits: tuple[int, int, int] = (0, 0, 0),
     ) -> ClaimResult:
         """Claim up to ``count`` jobs (plus ``moved_id``) and stamp their leases.
 
         Higher priorities first, FIFO within one, with the broker's fair
-        share for the job that waited longest (see claim.lua).
+        share for the job that waited longest (see claim.lua). ``limits`` are
+        the queue's (``flow.Limits.claim_args``: rate count, window in ms,
+        cap; 0 for none); a task's or a key's travel in the job's payload.
         """
         k = self.keys(queue)
-        jobs_flat, dead_flat, garbage, remaining, banded = self._run(
+        reply = self._run(
             "claim",
             (k.queued, k.leases, k.dead, k.wake, k.job_prefix, k.landing,
-             k.bands, k.band_prefix, k.share, k.strays),
+             k.bands, k.band_prefix, k.share, k.strays, k.paused, k.flow_prefix, k.holds),
             (max(count, 1 if moved_id else 0), lease_ms, moved_id or "", self.fair_share,
-             EXHAUSTED_CLASS),
+             EXHAUSTED_CLASS, *limits),
         )
+        jobs_flat, dead_flat, garbage, remaining, banded, hold_ms, hold_by_cap = reply
         if int(banded):
             self._banded.add(queue)
         jobs = [
@@ -125,7 +129,8 @@ class Lifecycle(BrokerCore):
         dead = [(dead_flat[i], int(dead_flat[i + 1]), int(dead_flat[i + 2]))
                 for i in range(0, len(dead_flat), 3)]
         self._wake(queue, int(remaining))  # work left behind: wake the next idle worker
-        return ClaimResult(jobs, dead, list(garbage), int(remaining), int(banded))
+        return ClaimResult(jobs, dead, list(garbage), int(remaining), int(banded), int(hold_ms),
+                           bool(int(hold_by_cap)))
 
     def start(self, queue: str, held: Sequence[Fence]) -> list[Applied]:
         """Mark held attempts as started: DONE (run it), CANCELLED (do not run it,

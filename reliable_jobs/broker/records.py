@@ -105,6 +105,12 @@ class ClaimResult:
     remaining: int
     #: Non-zero priority bands the queue had in use (0: only priority 0).
     banded: int = 0
+    #: -1, or, when limits held back every job this claim could reach, how
+    #: long (ms) until one of them may let a job go (see flow.py).
+    hold_ms: int = -1
+    #: Whether hold_ms is a concurrency cap's guess (a slot may free sooner:
+    #: an ack elsewhere does not say so) rather than a rate's exact time.
+    hold_by_cap: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,10 +163,27 @@ class Latency:
 
 @dataclass(frozen=True, slots=True)
 class QueueCounts:
+    #: Ready to run, the jobs limits hold back included.
     queued: int
     running: int
     scheduled: int
     dead: int
+    #: Of queued, those a rate limit or concurrency cap holds back (flow.py).
+    held: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class LimitUse:
+    """One limit's current use (``Broker.limit_use``)."""
+
+    #: 'q' (the queue's own limits) or a limit's wire name (flow.LimitName).
+    wire: str
+    #: Jobs holding one of its slots (caps; for 'q' the queue's leases).
+    running: int
+    #: Claims it admitted in the last window (rates).
+    recent: int
+    #: Jobs waiting on its held list (for 'q': on the queue's priority-0 list).
+    held: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ becomes in Redis again is :func:`rebuilt_job`.
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -25,7 +25,8 @@ from .records import is_uuid
 
 
 def rebuilt_job(row: Job, *, max_attempts: int, due_ms: int = 0,
-                max_bytes: int = sys.maxsize) -> NewJob:
+                max_bytes: int = sys.maxsize,
+                flow: Callable[[str, list[Any], dict[str, Any]], str] | None = None) -> NewJob:
     """The Redis job for a mirror row, its attempts kept: how a lost job comes back.
 
     Reconcile rebuilds what Redis lost; a staff retry rebuilds a dead job
@@ -33,9 +34,13 @@ def rebuilt_job(row: Job, *, max_attempts: int, due_ms: int = 0,
     next generation (:func:`next_generation`), so no token from before the
     rebuild matches. The row was accepted when it was enqueued, so the
     current MAX_PAYLOAD_BYTES is not applied again. The row's priority
-    comes back with it (staff changes of it are mirrored onto the row).
+    comes back with it (staff changes of it are mirrored onto the row), and
+    so do its flow limits: ``flow`` (the backend's ``flow_of``) spells them
+    again from the task's options and the call.
     """
-    text = payload.encode(row.task_path, tuple(row.args), dict(row.kwargs), max_bytes=max_bytes)
+    path = row.task_path
+    text = payload.encode(path, tuple(row.args), dict(row.kwargs), max_bytes=max_bytes,
+                          flow=None if flow is None else (lambda a, k: flow(path, a, k)))
     return NewJob(str(row.pk), text, max_attempts, due_ms=due_ms, attempts=row.attempts,
                   gen=row.generation, priority=row.priority)
 

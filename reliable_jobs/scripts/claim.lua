@@ -15,6 +15,11 @@
   KEYS[9] share       string jobs claimed while several bands waited,
                              modulo share_every (the fair share's turn)
   KEYS[10] strays     zset   id -> copies reprioritize.lua left on a band
+  KEYS[11] paused     string reserved for pause/resume (not read here yet)
+  KEYS[12] flow prefix string a limit's keys are KEYS[12] .. 'log:' / 'tat:' /
+                             'run:' / 'held:' .. its wire name (include flow_limit)
+  KEYS[13] holds      zset   wire name of a limit with a held list -> when
+                             (ms) it may let a job go
 
   ARGV[1] count     how many jobs to claim at most
   ARGV[2] lease_ms  lease length in milliseconds
@@ -31,6 +36,18 @@
                     buried with no attempt left (the broker passes
                     exceptions.class_path(AttemptsExhausted), so the path
                     always names a class that exists)
+  ARGV[6] queue_rate   the queue's rate limit: claims per window, 0 for none
+  ARGV[7] queue_window_ms  the window of queue_rate in milliseconds
+  ARGV[8] queue_cap    the queue's concurrency cap (its leases), 0 for none
+
+  Flow control (docs/design.md): the queue's cap counts its leases, its rate
+  a sliding log of claims, paced; allowance = min(count, cap - leases, the
+  rate's room now).
+  At no allowance nothing is taken (a moved id goes back to the head of
+  queued). Limits due again in holds are served first, from their held
+  lists; then the bands as above. A job whose payload names limits (a task's
+  or a key's) is leased only when each lets it go, and is otherwise put on
+  the held list of the limit that holds it, in order, its attempt untouched.
 
   Priorities: queued holds the jobs of priority 0, each other priority p
   (-100..100) has its own list KEYS[8] .. p, listed in bands while it is not
@@ -70,7 +87,7 @@
   attempts and gen are written back, so the token the fenced scripts compare
   always reads the same as the one returned.
 
-  Returns: { jobs, dead, garbage, remaining, banded }
+  Returns: { jobs, dead, garbage, remaining, banded, hold_ms, hold_by_cap }
     jobs      flat list: id, attempt, max_attempts, payload, gen, waited_ms
               (per job); attempt and gen together are the fencing token;
               waited_ms is how long the job was ready before this claim
@@ -81,7 +98,11 @@
     banded   how many non-zero bands were in use when the claim began (0:
              only priority 0 was waiting; a worker that never saw more
              waits on this queue alone with BLMOVE)
-  Errors: count, lease_ms or share_every not a whole number from 0 to 2^52,
+    hold_ms  -1, or, when this call did nothing because limits held every
+             job it could reach, how long (ms) until one may let a job go
+    hold_by_cap  1 when hold_ms is a cap's guess (a slot may free at any
+             moment: an ack does not say so), 0 when it is a rate's time
+  Errors: count, lease_ms, share_every or a queue limit not a whole number from 0 to 2^52,
   or exhausted_class not a dotted path (nothing is written).
 ]]
 local queued_key = KEYS[1]
@@ -94,6 +115,9 @@ local bands_key = KEYS[7]
 local band_prefix = KEYS[8]
 local share_key = KEYS[9]
 local strays_key = KEYS[10]
+local paused_key = KEYS[11]
+local flow_prefix = KEYS[12]
+local holds_key = KEYS[13]
 
 --- @include "wake_marker"
 
@@ -118,6 +142,9 @@ local lease_ms = whole(ARGV[2], 'lease_ms')
 local moved_id = ARGV[3] or ''
 local share_every = whole(ARGV[4], 'share_every')
 local exhausted_class = ARGV[5]
+local queue_rate = whole(ARGV[6] or 0, 'queue_rate')
+local queue_window_ms = whole(ARGV[7] or 0, 'queue_window_ms')
+local queue_cap = whole(ARGV[8] or 0, 'queue_cap')
 if type(exhausted_class) ~= 'string' or not string.match(exhausted_class, '^[%a_][%w_.]*$') then
   return redis.error_reply('ERR claim: exhausted_class must be a dotted class path')
 end
@@ -135,13 +162,96 @@ end
 local now = now_ms()
 local deadline_ms = now + lease_ms
 
+--- @include "flow_limit"
+
 local ids = {}
 -- The band each id was taken from (by index in ids; absent: 0).
 local came_from = {}
+-- Ids a limit already let go (taken from a held list), by index in ids.
+local admitted = {}
 -- A moved id that is back on queued (a sweep requeued it as an orphan while
 -- the worker stalled) is not taken: that copy is the one to run.
 if moved_id ~= '' and redis.call('LREM', landing_key, 1, moved_id) > 0 then
   ids[1] = moved_id
+end
+
+-- The queue's own limits: how many jobs this call may lease at most, and
+-- when (ms) the limit that bounds it may let more go.
+local allowance = math.max(count, #ids)
+local queue_free_at = nil
+-- Whether queue_free_at is a cap's guess (a recheck) rather than a rate's time.
+local queue_cap_guess = false
+-- The queue's own rate log is flow_prefix .. 'log:' .. 'q'.
+local queue_wire = 'q'
+if queue_cap > 0 then
+  local free = queue_cap - redis.call('ZCARD', leases_key)
+  if free < allowance then
+    allowance = math.max(free, 0)
+    queue_free_at = now + FLOW_CAP_RECHECK_MS
+    queue_cap_guess = true
+  end
+end
+if queue_rate > 0 then
+  local room, at = flow_rate_room(queue_wire, queue_rate, queue_window_ms)
+  if room < allowance then
+    allowance = room
+    if room == 0 then
+      if queue_free_at == nil or at < queue_free_at then
+        queue_free_at, queue_cap_guess = at, false
+      end
+    end
+  end
+end
+if allowance == 0 and #ids > 0 then
+  -- At the queue's limit: the moved id goes back where BLMOVE took it from.
+  redis.call('RPUSH', queued_key, ids[1])
+  ids[1] = nil
+end
+count = allowance
+
+-- Limits due again let their held jobs go first (they were ahead of
+-- everything on the lists); bounded work: at most 4 * count + 16 steps.
+local held_moved = 0
+if count - #ids > 0 then
+  local steps = 4 * count + 16
+  for _, wire in ipairs(redis.call('ZRANGEBYSCORE', holds_key, '-inf', now, 'LIMIT', 0, 16)) do
+    while steps > 0 and #ids < count do
+      steps = steps - 1
+      local head = redis.call('LINDEX', flow_prefix .. 'held:' .. wire, -1)
+      if not head then
+        redis.call('ZREM', holds_key, wire)
+        break
+      end
+      local job = read_job(head, 'state', 'payload', 'priority')
+      local limits = job[1] == 'queued' and flow_limits(flow_spec(job[2]) or '') or {}
+      local blocker, retry_ms = nil, nil
+      if #limits > 0 then
+        blocker, retry_ms = flow_check(limits, wire)
+      end
+      if blocker == wire then
+        redis.call('ZADD', holds_key, retry_ms, wire)
+        break
+      end
+      redis.call('RPOP', flow_prefix .. 'held:' .. wire)
+      if blocker ~= nil then
+        -- Held by another of its limits now: it waits there instead.
+        flow_hold(blocker, head, retry_ms)
+        held_moved = held_moved + 1
+      else
+        -- Let go (or not queued any more: the loop below drops or buries it
+        -- as it would on a list; it is no copy left by a reprioritize).
+        ids[#ids + 1] = head
+        came_from[#ids] = band_of(job[3])
+        if #limits > 0 then
+          flow_take(limits, head)
+          admitted[#ids] = true
+        end
+      end
+    end
+    if steps <= 0 or #ids >= count then
+      break
+    end
+  end
 end
 -- Take up to n (>= 1) ids from the right of a band's list (queued for 0);
 -- the loop below leases each one (or drops or buries it) before the script
@@ -237,6 +347,23 @@ elseif wanted > 0 then
   end
 end
 
+-- Lease job_id under its limits when they all let it go (taking a slot
+-- of each), else put it on the held list of the first that holds it.
+local function flow_admit(job_id, payload)
+  local spec = flow_spec(payload)
+  if spec == nil then
+    return true
+  end
+  local limits = flow_limits(spec)
+  local blocker, retry_ms = flow_check(limits, nil)
+  if blocker ~= nil then
+    flow_hold(blocker, job_id, retry_ms)
+    return false
+  end
+  flow_take(limits, job_id)
+  return true
+end
+
 local jobs, dead, garbage, lease_args = {}, {}, {}, {}
 for index, job_id in ipairs(ids) do
   local job_key = job_prefix .. job_id
@@ -281,8 +408,17 @@ for index, job_id in ipairs(ids) do
       dead[#dead + 1] = job_id
       dead[#dead + 1] = attempts
       dead[#dead + 1] = gen
+    elseif job[4] and string.byte(job[4], 3) == 102 and not admitted[index]
+        and not flow_admit(job_id, job[4]) then
+      -- (byte 3 is the 'f' of a payload that opens with its limits: flow_spec)
+      -- Held by one of its limits (flow_admit put it on that limit's held
+      -- list): still queued, its attempt untouched.
+      held_moved = held_moved + 1
     else
       attempts = attempts + 1
+      if queue_rate > 0 then
+        flow_rate_take(queue_wire, queue_rate, queue_window_ms, job_id)
+      end
       redis.call('HSET', job_key, 'state', 'running', 'attempts', attempts, 'gen', gen,
         'started_ms', now)
       lease_args[#lease_args + 1] = deadline_ms
@@ -317,4 +453,19 @@ end
 if remaining > 0 then
   push_wake_marker(wake_key)
 end
-return { jobs, dead, garbage, remaining, banded }
+-- Nothing done because limits held everything in reach: say when to come back.
+local hold_ms, hold_by_cap = -1, 0
+if #jobs == 0 and #dead == 0 and #garbage == 0 and held_moved == 0 then
+  local due, by_cap = queue_free_at, queue_cap_guess
+  if remaining == 0 or due == nil then
+    local first = redis.call('ZRANGE', holds_key, 0, 0, 'WITHSCORES')
+    if first[2] and (due == nil or tonumber(first[2]) < due) then
+      due, by_cap = tonumber(first[2]), string.sub(first[1], 1, 2) == 'c:'
+    end
+  end
+  if due ~= nil then
+    hold_ms = math.max(due - now, 0)
+    hold_by_cap = by_cap and 1 or 0
+  end
+end
+return { jobs, dead, garbage, remaining, banded, hold_ms, hold_by_cap }

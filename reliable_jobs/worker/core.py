@@ -50,6 +50,7 @@ from .backoff import Backoff
 from .database import EXECUTOR_THREAD_PREFIX, guard_mirror_sessions
 from .executor import Executor
 from .finisher import Finisher
+from .holds import FlowHolds
 from .leases import LeaseKeeper
 from .maintenance import Maintenance
 from .registry import InHand
@@ -120,6 +121,8 @@ class Worker:
         self.loop_tick = time.monotonic()
         #: Skips queues found empty until their wake marker says otherwise.
         self._skipper = QueueSkipper()
+        #: Each queue's limits, and how long they hold it after a futile claim.
+        self._holds = FlowHolds(self.config.queue_limits, max_wait_s=MAX_WAIT_S)
         self._claimed_total = 0
         #: Burst runs: the queue _burst_done last found with work, checked first.
         self._burst_busy: str | None = None
@@ -339,6 +342,12 @@ class Worker:
                     continue
                 if self._claim_round(capacity):
                     continue
+                hold_s = self._holds.wait_s()
+                if hold_s is not None:
+                    # Limits hold the jobs back: come back when one may go.
+                    self.shared.slot_freed.wait(hold_s)
+                    self.shared.slot_freed.clear()
+                    continue
                 if self.burst:
                     if self._burst_done():
                         break
@@ -410,7 +419,8 @@ class Worker:
 
     def _claim(self, queue: str, count: int, moved_id: str | None) -> int:
         result = self.broker.claim(queue, count=max(count, 0), lease_ms=self.config.LEASE_MS,
-                                   moved_id=moved_id)
+                                   moved_id=moved_id, limits=self._holds.claim_args(queue))
+        self._holds.record(queue, result.hold_ms, by_cap=result.hold_by_cap)
         crash_point("after_claim")
         self.in_hand.add(result.jobs)
         self._claimed_total += len(result.jobs)
@@ -422,7 +432,8 @@ class Worker:
                       "without finishing (worker lost or lease expired)"))
         for garbage in result.garbage:
             logger.warning("Moved aside %r found on queue %r: no such job.", garbage, queue)
-        self._skipper.found(queue, bool(result.jobs or result.remaining))
+        self._skipper.found(queue, bool(result.jobs or result.remaining)
+                            or result.hold_ms >= 0)
         return len(result.jobs)
 
     def _burst_done(self) -> bool:

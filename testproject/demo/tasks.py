@@ -47,6 +47,12 @@ def fail_times(context: TaskContext[[str, int], str], key: str, times: int) -> s
     return key
 
 
+@task(concurrency=2)
+def capped_add(a: int, b: int) -> int:
+    """Return ``a + b``, at most two at once across every worker (the model test's cap)."""
+    return a + b
+
+
 @task(max_attempts=3, retry_base_ms=100)
 def always_fail(message: str = "boom") -> None:
     """Raise RuntimeError(message) on every attempt: a job that ends FAILED."""

@@ -188,6 +188,9 @@ class Findings:
     #: first) and the job then ran out of attempts: what G3 allows.
     buried_after_lost_success: list[WrongFinal] = field(default_factory=list)
     unreadable: int = 0
+    #: The most runs of any jobs alive at one moment (a run without an end
+    #: lives until its process died): what a concurrency cap bounds.
+    most_at_once: int = 0
 
     @property
     def rerun_jobs(self) -> int:
@@ -287,6 +290,7 @@ def analyse(ledger: Ledger | Iterable[Run], *, deaths: Mapping[int, float],
 
     findings.open_runs = [run for run in runs if run.end is None and run.pid not in deaths
                           and run.pid not in stops]
+    findings.most_at_once = most_at_once([(run.start, until(run)) for run in runs])
     for job, job_runs in by_job.items():
         job_runs.sort(key=lambda r: (r.start, r.run))
         for index, first in enumerate(job_runs):
@@ -323,6 +327,16 @@ def analyse(ledger: Ledger | Iterable[Run], *, deaths: Mapping[int, float],
         else:
             findings.wrong_final.append(wrong)
     return findings
+
+
+def most_at_once(spans: Iterable[tuple[float, float]]) -> int:
+    """The most (start, end) spans open at one moment; an end before a start at a tie."""
+    events = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans])
+    alive = most = 0
+    for _, step in sorted(events, key=lambda e: (e[0], e[1])):
+        alive += step
+        most = max(most, alive)
+    return most
 
 
 def lost_with_its_process(run: Run, deaths: Mapping[int, float],

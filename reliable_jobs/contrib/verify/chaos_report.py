@@ -237,6 +237,8 @@ class ChaosReport:
              ledger_count(len(ledger.wrong_final) if ledger else 0)),
             ("**re-ran without a crash (must be 0)**",
              ledger_count(ledger.rerun_jobs if ledger else 0)),
+            ("most runs at once (a concurrency cap bounds it)",
+             "-" if ledger is None else f"{ledger.most_at_once:,}"),
             ("dead after its last success died unrecorded with its process",
              "-" if ledger is None else f"{len(ledger.buried_after_lost_success):,}"),
             ("claimed more than once (attempts > 1)", f"{self.claimed_again:,}"),

@@ -98,6 +98,29 @@ def chaos_job(context: TaskContext[[float, int, bool], float], seconds: float,
     return seconds
 
 
+#: The cap of :data:`flow_capped_job` (tests/test_flow_processes.py).
+FLOW_CAP = 5
+
+
+@task(backend=BACKEND, queue_name=first_queue(BACKEND), takes_context=True, retry_base_ms=100,
+      retry_max_ms=1_000, concurrency=FLOW_CAP)
+def flow_capped_job(context: TaskContext[[float, int, bool], float], seconds: float,
+                    fail_attempts: int = 0, give_up: bool = False) -> float:
+    """:func:`chaos_job` with at most FLOW_CAP running at once, across every worker.
+
+    ``chaosjobs --task reliable_jobs.contrib.verify.tasks.flow_capped_job``
+    runs the chaos run under the cap; its report's "most runs at once" must
+    not exceed FLOW_CAP.
+    """
+    with ledger_run(context.task_result.id, context.attempt):
+        time.sleep(seconds)
+        if give_up:
+            raise PermanentFailure(f"planned: gives up on attempt {context.attempt}")
+        if context.attempt <= fail_attempts:
+            raise RuntimeError(f"planned failure on attempt {context.attempt} of {fail_attempts}")
+    return seconds
+
+
 # -- the benchmark ---------------------------------------------------------------
 
 def noop() -> None:

@@ -50,6 +50,7 @@ class Command(ReliableJobsCommand):
             f"(prefix {backend.config.PREFIX!r}), database {backend.config.DATABASE!r}, "
             f"at {timezone.now():%Y-%m-%d %H:%M:%S} UTC.")
         self._queues(snap)
+        self._limits(snap)
         self._workers(snap)
         self._throughput(snap)
         self._drift(snap)
@@ -63,6 +64,18 @@ class Command(ReliableJobsCommand):
                 self.stderr.write(problem)
             raise CommandError("Some numbers are missing: a server did not answer.",
                                returncode=1)
+
+    def _limits(self, snap: dashboard.Snapshot) -> None:
+        """Each limit: running / cap or claims in the last window / rate, and jobs held back."""
+        if not snap.limits:
+            return
+        self.stdout.write("")
+        self.stdout.write("Limits (enforced by the claim across every worker):")
+        for line in snap.limits:
+            use = (f"running {line.running}/{line.limit}" if line.running is not None
+                   else f"last window {line.recent}/{line.limit}")
+            self.stdout.write(f"  {line.queue}  {line.scope} {line.name}  {line.kind}  {use}  "
+                              f"held back {line.held}")
 
     def _queues(self, snap: dashboard.Snapshot) -> None:
         if not snap.queues:
@@ -190,6 +203,7 @@ class Command(ReliableJobsCommand):
                 "checked": snap.drift.checked, "missing": len(snap.drift.missing),
                 "dead_in_redis": len(snap.drift.dead_in_redis),
                 "complete": snap.drift.complete},
+            "limits": [asdict(line) for line in snap.limits],
             "tasks": tasks,
             "problems": snap.problems,
         }
