@@ -7,7 +7,9 @@ and that the run leaves no job behind in Redis or the database.
 
 from __future__ import annotations
 
+import pstats
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,7 +27,7 @@ def bench(processes: Processes, env: dict[str, str], *args: str) -> tuple[int, s
     database sessions that only the process's exit closes); return its exit code
     and output."""
     proc = processes.manage("benchjobs", *args, env=env)
-    code = proc.wait(timeout=120)
+    code = proc.wait(timeout=240)
     return code, processes.log(proc)
 
 
@@ -75,3 +77,34 @@ def test_refuses_bad_ack_depths(rj_settings: Any, processes: Processes) -> None:
     env = rj_settings()
     code, output = bench(processes, env, "--ack-depths", "0,10")
     assert code != 0 and "--ack-depths must be whole numbers" in output
+
+
+def test_process_mode_times_a_real_runworker_in_a_stock_project(
+        rj_settings: Any, redis_client: redis.Redis, processes: Processes,
+        tmp_path: Path) -> None:
+    # Given an idle queue, and a directory for the workers' profiles
+    env = rj_settings()
+    profiles = tmp_path / "profiles"
+
+    # When the process benchmark runs both tasks once over a few jobs
+    code, output = bench(processes, {**env, "BENCH_PROFILE_DIR": str(profiles)},
+                         "--process", "--jobs", "5", "--runs", "1")
+    assert code == 0, output
+
+    # Then it prints a line per run and a median per task, every figure in it
+    for task in ("no-op", "INCR + query"):
+        assert re.search(rf"^{re.escape(task)}\s+5 jobs:\s+[\d,]+ jobs/s start to empty,"
+                         r"\s+[\d,]+ from the first job, CPU\s+[\d,]+ µs/job, exit\s+[\d,]+ ms "
+                         r"after empty, WAL [\d,]+ B/job", output, re.MULTILINE), output
+        assert f"{task}, median of 1:" in output
+    # and a cProfile of each worker, which pstats reads
+    written = sorted(profiles.glob("runworker-*.prof"))
+    assert [p.name for p in written] == ["runworker-incr_and_query-1.prof",
+                                         "runworker-noop-1.prof"]
+    assert pstats.Stats(str(written[0])).total_calls > 0
+    # and leaves neither rows nor jobs nor the task's counter behind
+    assert Job.objects.count() == 0
+    leftovers = [key for key in redis_client.keys("*")
+                 if key.endswith((":queued", ":processing", ":leases", ":landing"))
+                 or ":job:" in key]
+    assert leftovers == []

@@ -315,3 +315,58 @@ def test_in_multiprocess_mode_the_view_sums_every_process(rj_settings: Any,
     found = samples(text)
     assert value(found, "reliable_jobs_jobs_enqueued_total", queue="default", task=ADD) == 2
     assert value(found, "reliable_jobs_queue_jobs", queue="default", state="queued") == 2
+
+
+def test_a_worker_counts_only_when_something_can_read_the_counts(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given a process counting from start-up, as every process does
+    counting = telemetry.installed(metrics.PrometheusHook)
+    assert counting is not None
+    try:
+        # When it is a worker with a metrics port, or in the client library's
+        # multiprocess mode (a view sums the files), it goes on counting
+        assert metrics.stop_counting_unless_served(9108)
+        monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "/nonexistent")
+        assert metrics.stop_counting_unless_served(None)
+        assert telemetry.installed(metrics.PrometheusHook) is not None
+
+        # When it has neither, it stops: nothing could ever read the counters
+        monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR")
+        assert not metrics.stop_counting_unless_served(None)
+        assert telemetry.installed(metrics.PrometheusHook) is None
+    finally:
+        if telemetry.installed(metrics.PrometheusHook) is None:
+            telemetry.install(counting)
+
+
+@pytest.mark.slow
+def test_runworker_without_a_metrics_port_stops_counting_and_in_multiprocess_mode_counts(
+        rj_settings: Any, processes: Processes, tmp_path: Path) -> None:
+    # Given a job, and a worker with neither --metrics-port nor PROMETHEUS_MULTIPROC_DIR
+    env = rj_settings()
+    demo.add.enqueue(1, 2)
+    worker = processes.worker(env, "--burst", "-v", "2")
+    assert worker.wait(timeout=60) == 0, processes.log(worker)
+
+    # Then it said its counters are off
+    assert "Prometheus counters are off in this worker" in processes.log(worker)
+
+    # Given a second job, and a worker in the client library's multiprocess mode
+    shared = tmp_path / "prometheus"
+    shared.mkdir()
+    demo.add.enqueue(2, 3)
+    worker = processes.worker(env, "--burst", "-v", "2",
+                              extra_env={"PROMETHEUS_MULTIPROC_DIR": str(shared)})
+    assert worker.wait(timeout=60) == 0, processes.log(worker)
+
+    # Then it counted, and a view over the same directory shows its success
+    assert "Prometheus counters are off" not in processes.log(worker)
+    code = ("import django; django.setup()\nfrom django.test import RequestFactory\n"
+            "from reliable_jobs import metrics\n"
+            "print(metrics.view(RequestFactory().get('/')).content.decode())")
+    text = subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, text=True,
+                          env={**env, "DJANGO_SETTINGS_MODULE": "testproject.settings",
+                               "PROMETHEUS_MULTIPROC_DIR": str(shared)},
+                          capture_output=True, timeout=60).stdout
+    assert value(samples(text), "reliable_jobs_jobs_succeeded_total", queue="default",
+                 task=ADD) == 1

@@ -137,3 +137,20 @@ def test_a_worker_stopped_past_its_grace_exits_and_its_thread_task_runs_again_la
                timeout=30, message="the job to run again")
     assert list(Attempt.objects.filter(job_id=result.id, number=1).values_list(
         "outcome", flat=True)) == [AttemptOutcome.LEASE_EXPIRED]
+
+
+def test_a_burst_worker_exits_once_it_stopped_without_the_interpreter_teardown(
+        rj_settings: Any, processes: Processes) -> None:
+    # Given a job whose task leaves a non-daemon thread running for two minutes
+    # (a library's background thread, say): an interpreter's normal exit
+    # would wait for it, as it takes its time tearing down every module
+    env = rj_settings()
+    job = demo.leave_a_thread.enqueue(120.0)
+
+    # When a burst worker runs it and finds the queue empty
+    worker = processes.worker(env, "--burst")
+
+    # Then the process ends as soon as the worker stopped, cleanly, its job done
+    assert worker.wait(timeout=30) == 0, processes.log(worker)
+    assert "stopped: 1 claimed, 1 succeeded" in processes.log(worker)
+    assert Job.objects.get(pk=job.id).state == JobState.SUCCEEDED

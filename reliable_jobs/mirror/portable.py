@@ -136,7 +136,7 @@ def _write_attempts(using: str, rows: Sequence[AttemptRecord]) -> None:
                                started_at=rec.started_at, finished_at=rec.finished_at,
                                outcome=rec.outcome, error=rec.error, traceback=rec.traceback))
             continue
-        # Rule "outcomes final", column by column as postgres.UPSERT_ATTEMPTS: an
+        # Rule "outcomes final", column by column as postgres.UPDATE_ATTEMPTS: an
         # outcome the attempt reached by running (RAN_OUTCOMES) is final, and so is
         # 'lease_expired' (a late result is only noted in its error); worker, start
         # and traceback still fill in.

@@ -218,35 +218,55 @@ WITH locked AS MATERIALIZED (
 SELECT id FROM locked WHERE state = 'cancelled'
 """
 
-#: Rules "generation fence" (EXISTS: the row is of the record's generation)
-#: and "outcomes final" (the CASEs: an outcome the attempt reached by
-#: running is final, and so is 'lease_expired', whose late result is only
-#: noted in its error; worker, start and traceback still fill in).
-UPSERT_ATTEMPTS = f"""
-INSERT INTO {Attempt._meta.db_table} AS a
+#: One record per attempt, as the two statements below take them.
+_ATTEMPT_ROWS = f"""unnest({_column("uuid")}, {_column("int")}, {_column("text")},
+            {_column("timestamptz", nullable=True)}, {_column("timestamptz", nullable=True)},
+            {_column("text")}, {_column("text")}, {_column("text")}, {_column("int")})
+     AS v(job_id, number, worker_id, started_at, finished_at, outcome, error, traceback, gen)"""
+
+#: Rule "generation fence": the row is of the record's generation.
+_OF_ITS_GENERATION = f"""EXISTS (SELECT 1 FROM {Job._meta.db_table} j WHERE j.id = v.job_id
+              AND j.generation = v.gen)"""
+
+#: The attempts a batch's records find already written (a start in an earlier
+#: batch, a sweep's record), updated keeping what the earlier write knew.
+#: Rules "generation fence" and "outcomes final" (the CASEs: an outcome the
+#: attempt reached by running is final, and so is 'lease_expired', whose late
+#: result is only noted in its error; worker, start and traceback still fill in).
+UPDATE_ATTEMPTS = f"""
+UPDATE {Attempt._meta.db_table} AS a SET
+    worker_id = COALESCE(NULLIF(v.worker_id, ''), a.worker_id),
+    started_at = COALESCE(a.started_at, v.started_at),
+    finished_at = CASE WHEN a.outcome IN {_RAN} THEN a.finished_at
+                       ELSE COALESCE(v.finished_at, a.finished_at) END,
+    outcome = CASE WHEN a.outcome IN {_RAN} THEN a.outcome
+                   WHEN a.outcome = 'lease_expired' THEN a.outcome
+                   ELSE COALESCE(NULLIF(v.outcome, ''), a.outcome) END,
+    error = CASE WHEN a.outcome IN {_RAN} THEN a.error
+                 WHEN a.outcome = 'lease_expired' AND v.outcome NOT IN ('', a.outcome)
+                 THEN a.error || '; the worker then finished this attempt late ('
+                      || v.outcome || ') and its result was discarded'
+                 ELSE COALESCE(NULLIF(v.error, ''), a.error) END,
+    traceback = COALESCE(NULLIF(v.traceback, ''), a.traceback)
+FROM {_ATTEMPT_ROWS}
+WHERE a.job_id = v.job_id AND a.number = v.number AND {_OF_ITS_GENERATION}
+"""
+
+#: The attempts not written yet (usually all of them: a job's start and
+#: outcome merge into one record), under rule "generation fence". A plain
+#: INSERT, not INSERT ... ON CONFLICT: a speculative insertion logs one more
+#: WAL record per row (about 50 bytes a job). Nothing can insert the same
+#: attempt between the NOT EXISTS and the INSERT: every writer of attempts
+#: holds its job's row first (rule "lock order", LOCK_JOBS).
+INSERT_ATTEMPTS = f"""
+INSERT INTO {Attempt._meta.db_table}
     (job_id, number, worker_id, started_at, finished_at, outcome, error, traceback)
 SELECT v.job_id, v.number, v.worker_id, v.started_at, v.finished_at, v.outcome, v.error,
        v.traceback
-FROM unnest({_column("uuid")}, {_column("int")}, {_column("text")},
-            {_column("timestamptz", nullable=True)}, {_column("timestamptz", nullable=True)},
-            {_column("text")}, {_column("text")}, {_column("text")}, {_column("int")})
-     AS v(job_id, number, worker_id, started_at, finished_at, outcome, error, traceback, gen)
-WHERE EXISTS (SELECT 1 FROM {Job._meta.db_table} j WHERE j.id = v.job_id
-              AND j.generation = v.gen)
-ON CONFLICT (job_id, number) DO UPDATE SET
-    worker_id = COALESCE(NULLIF(EXCLUDED.worker_id, ''), a.worker_id),
-    started_at = COALESCE(a.started_at, EXCLUDED.started_at),
-    finished_at = CASE WHEN a.outcome IN {_RAN} THEN a.finished_at
-                       ELSE COALESCE(EXCLUDED.finished_at, a.finished_at) END,
-    outcome = CASE WHEN a.outcome IN {_RAN} THEN a.outcome
-                   WHEN a.outcome = 'lease_expired' THEN a.outcome
-                   ELSE COALESCE(NULLIF(EXCLUDED.outcome, ''), a.outcome) END,
-    error = CASE WHEN a.outcome IN {_RAN} THEN a.error
-                 WHEN a.outcome = 'lease_expired' AND EXCLUDED.outcome NOT IN ('', a.outcome)
-                 THEN a.error || '; the worker then finished this attempt late ('
-                      || EXCLUDED.outcome || ') and its result was discarded'
-                 ELSE COALESCE(NULLIF(EXCLUDED.error, ''), a.error) END,
-    traceback = COALESCE(NULLIF(EXCLUDED.traceback, ''), a.traceback)
+FROM {_ATTEMPT_ROWS}
+WHERE {_OF_ITS_GENERATION}
+  AND NOT EXISTS (SELECT 1 FROM {Attempt._meta.db_table} a
+                  WHERE a.job_id = v.job_id AND a.number = v.number)
 """
 
 #: The WHERE clause, line by line: rule "generation fence" (same generation,
@@ -361,11 +381,13 @@ class _Columns:
 
 
 def _write_attempts(cursor: CursorWrapper, rows: _Columns) -> None:
-    cursor.execute(UPSERT_ATTEMPTS, [
-        rows.job_ids, rows.attempts, _joined_text([r.worker_id for r in rows.rows]),
-        rows.started, rows.finished, rows.outcomes, rows.errors,
-        _joined_text([r.traceback for r in rows.rows]), rows.gens,
-    ])
+    """UPDATE_ATTEMPTS, then INSERT_ATTEMPTS (so the rows just inserted are not
+    read again by the UPDATE)."""
+    values = [rows.job_ids, rows.attempts, _joined_text([r.worker_id for r in rows.rows]),
+              rows.started, rows.finished, rows.outcomes, rows.errors,
+              _joined_text([r.traceback for r in rows.rows]), rows.gens]
+    cursor.execute(UPDATE_ATTEMPTS, values)
+    cursor.execute(INSERT_ATTEMPTS, values)
 
 
 def _write_jobs(cursor: CursorWrapper, rows: _Columns) -> None:

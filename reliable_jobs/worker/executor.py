@@ -223,7 +223,7 @@ class Executor:
     def _run_task(self, job: ClaimedJob, held: Held, started_at: datetime,
                   started_clock: float) -> bool:
         cancellation = held.cancellation
-        self.finisher.record(AttemptRecord(
+        self.finisher.started(AttemptRecord(
             job_id=job.id, attempt=job.attempt, gen=job.gen, job_state=JobState.RUNNING,
             worker_id=self.worker_id, started_at=started_at))
         task_path = "?"

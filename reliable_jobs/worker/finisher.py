@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import queue as queue_module
 import threading
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -35,6 +36,21 @@ logger = logging.getLogger("reliable_jobs.worker")
 
 #: Finished attempts written to the mirror per transaction at most.
 FINISH_BATCH = 500
+#: How long a start record waits for its attempt's outcome, in seconds. A job
+#: that ends within it has its row written once, queued to finished, in the
+#: outcome's batch; otherwise the start went alone, in a batch of its own,
+#: while the task ran, and the row was written twice, each time a new row
+#: version with an entry in every index (about 1,000 bytes of WAL per job for
+#: a task doing one Redis call and one query). A longer job shows "running"
+#: in the mirror this much later; Redis, which decides, knew at once.
+START_HOLD_S = 0.05
+
+
+class _Due:
+    """What _next says when a held start is due and nothing else arrived."""
+
+
+_DUE = _Due()
 
 
 @dataclass(slots=True)
@@ -51,6 +67,8 @@ class FinishedAttempt:
     delay_ms: int | None = None
     #: The task's dotted path, for metrics ("?" when unknown).
     task: str = "?"
+    #: A start record, held up to START_HOLD_S for its outcome to join it.
+    start: bool = False
 
 
 class Finisher:
@@ -74,8 +92,12 @@ class Finisher:
     # -- other threads -----------------------------------------------------
 
     def record(self, record: AttemptRecord) -> None:
-        """Mirror a record that needs no Redis action (a start, a sweep result)."""
+        """Mirror a record that needs no Redis action (a sweep result)."""
         self.submit(FinishedAttempt(record))
+
+    def started(self, record: AttemptRecord) -> None:
+        """Mirror an attempt's start, with its outcome if that comes within START_HOLD_S."""
+        self.submit(FinishedAttempt(record, start=True))
 
     def submit(self, outcome: FinishedAttempt) -> None:
         """Hand over a finished attempt (or a record, ``job`` None)."""
@@ -111,24 +133,40 @@ class Finisher:
 
     def _loop(self) -> None:
         closing = False
+        #: Start records waiting for their outcome: (job id, generation, attempt)
+        #: to (when the hold ends, the record).
+        held: dict[tuple[str, int, int], tuple[float, FinishedAttempt]] = {}
         while not closing:
             batch: list[FinishedAttempt] = []
             markers: list[threading.Event] = []
-            item = self._queue.get()
+            item = self._next(held)
             while True:
                 if item is None:
                     closing = True
                     break
                 if isinstance(item, FinishedAttempt):
-                    batch.append(item)
-                    if len(batch) >= FINISH_BATCH:
-                        break
-                else:
+                    key = _attempt_key(item)
+                    if item.start:
+                        held[key] = (time.monotonic() + START_HOLD_S, item)
+                    else:
+                        start = held.pop(key, None)
+                        if start is not None:  # first: mirror.record merges the later into it
+                            batch.append(start[1])
+                        batch.append(item)
+                        if len(batch) >= FINISH_BATCH:
+                            break
+                elif isinstance(item, threading.Event):
                     markers.append(item)
                 try:
                     item = self._queue.get_nowait()
                 except queue_module.Empty:
                     break
+            # Starts whose hold is over go now; all of them when someone waits
+            # for everything submitted (a marker) or the thread ends.
+            now, everything = time.monotonic(), closing or bool(markers)
+            for key, (due, _) in list(held.items()):
+                if everything or due <= now:
+                    batch.append(held.pop(key)[1])
             raise_point("finisher_bug")
             self.in_hand.writing(o.job for o in batch if o.job is not None)
             if batch and not self._write_mirror(batch):
@@ -138,6 +176,17 @@ class Finisher:
                 return
             for marker in markers:
                 marker.set()
+
+    def _next(self, held: dict[tuple[str, int, int], tuple[float, FinishedAttempt]]
+              ) -> FinishedAttempt | threading.Event | _Due | None:
+        """The next item submitted, or _DUE once the earliest held start's hold is over."""
+        if not held:
+            return self._queue.get()
+        wait = min(due for due, _ in held.values()) - time.monotonic()
+        try:
+            return self._queue.get(timeout=max(wait, 0.0)) if wait > 0 else self._queue.get_nowait()
+        except queue_module.Empty:
+            return _DUE
 
     def _write_mirror(self, batch: list[FinishedAttempt]) -> bool:
         """Write the batch, retrying until it lands (False only on a hard stop)."""
@@ -226,6 +275,11 @@ class Finisher:
                 self.stats.dead += 1
             else:
                 self.stats.failed += 1
+
+
+def _attempt_key(outcome: FinishedAttempt) -> tuple[str, int, int]:
+    record = outcome.record
+    return record.job_id, record.gen, record.attempt
 
 
 def _fence(outcome: FinishedAttempt) -> tuple[str, int, int]:

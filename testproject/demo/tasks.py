@@ -152,3 +152,16 @@ def stop_when_cancelled(context: TaskContext[[float], str], seconds: float) -> s
 def unique_add(a: int, b: int) -> int:
     """Return ``a + b``; an equal call while one waits gets that job (a unique task)."""
     return a + b
+
+
+@task
+def leave_a_thread(seconds: float) -> None:
+    """Start a non-daemon thread that outlives the task by ``seconds`` (as some libraries do).
+
+    An interpreter's normal exit waits for such a thread; a worker that
+    stopped cleanly must not (tests/test_shutdown.py).
+    """
+    import threading
+
+    threading.Thread(target=time.sleep, args=(seconds,), name="left-by-a-task",
+                     daemon=False).start()  # not inherited from the daemon executor thread

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
@@ -28,6 +29,8 @@ class Command(ReliableJobsCommand):
     )
     backend_help = "TASKS alias to serve (default: %(default)r)."
     logging_mode = "verbosity"
+    #: Set when run from the command line (not call_command()): see _exit_promptly.
+    _from_command_line = False
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--queue", "-q", action="append", dest="queues", metavar="NAME",
@@ -117,6 +120,9 @@ class Command(ReliableJobsCommand):
             if supervisor.run():
                 raise CommandError("A worker process did not stop cleanly (logged above).")
             return
+        if not metrics.stop_counting_unless_served(port) and metrics.available():
+            logger.debug("Prometheus counters are off in this worker: no --metrics-port and "
+                         "no PROMETHEUS_MULTIPROC_DIR, so nothing could read them.")
         progress = self.stdout.write if options["burst"] and options["verbosity"] >= 1 else None
         worker = Worker(
             backend, queues=queues, concurrency=options["concurrency"],
@@ -159,6 +165,32 @@ class Command(ReliableJobsCommand):
             self._end_now(worker.left_running, error)
         if error is not None:
             raise CommandError(error)
+        if self._from_command_line:
+            self._exit_promptly()
+
+    def run_from_argv(self, argv: list[str]) -> None:
+        self._from_command_line = True
+        super().run_from_argv(argv)
+
+    @staticmethod
+    def _exit_promptly() -> None:
+        """End a cleanly stopped worker process now, without the interpreter's teardown.
+
+        Everything the worker owns is settled by then: every outcome
+        mirrored and applied, the rest handed back, its heartbeat gone. What
+        is left is Python freeing every module and object one by one (a few
+        hundred milliseconds after a long run on a busy machine, during
+        which a deploy waits for the old worker), and waiting for any
+        non-daemon thread a task's library left running. Exit handlers
+        registered with ``atexit`` (an OpenTelemetry SDK's flush, logging's
+        own) still run first; only the teardown after them is skipped.
+        Never under ``call_command()``, whose caller's process goes on.
+        """
+        atexit._run_exitfuncs()
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
     def _end_now(self, running: int, error: str | None) -> None:
         """End the process at once: tasks still run in its threads.

@@ -11,6 +11,7 @@ from django.core.management.base import CommandError, CommandParser
 from reliable_jobs.backend import ReliableJobsBackend
 from reliable_jobs.management.base import ReliableJobsCommand, number, whole_number
 
+from ... import bench_process
 from ...bench import (
     Figure,
     Round,
@@ -91,6 +92,20 @@ class Command(ReliableJobsCommand):
         parser.add_argument("--retention-minutes", type=number(0, NOT_NEGATIVE), default=10.0,
                             help="--sustained: prune jobs finished this long ago "
                                  "(default: %(default)r).")
+        parser.add_argument("--process", action="store_true",
+                            help="Instead of the above: build a stock startproject project "
+                                 "in a temporary directory and time a real `runworker "
+                                 "--burst` over --jobs jobs of each --process-task, --runs "
+                                 "times interleaved: jobs/s, whole-process CPU per job, exit "
+                                 "delay after empty, WAL bytes per job (BENCH_PROFILE_DIR: "
+                                 "write a cProfile of each worker there).")
+        parser.add_argument("--process-task", action="append", dest="process_tasks",
+                            choices=sorted(bench_process.TASKS), metavar="TASK",
+                            help="--process: 'no-op' or 'INCR + query' (one Redis INCR and "
+                                 "one ORM query); repeat for both (default: both).")
+        parser.add_argument("--query-jobs", type=whole_number(1, AT_LEAST_ONE), default=None,
+                            help="--process: jobs of the 'INCR + query' task per run (default: "
+                                 "--jobs).")
         parser.add_argument("--queue", default=None,
                             help="Queue to use (default: the backend's first queue).")
 
@@ -111,6 +126,9 @@ class Command(ReliableJobsCommand):
                 "jobs in --sustained); measure with DEBUG off.")
         if options["sustained"]:
             self._sustained(backend, queue, options)
+            return
+        if options["process"]:
+            self._process(backend, queue, options)
             return
         self._runs(backend, queue, options)
         if options["latency_samples"] > 0:
@@ -162,6 +180,25 @@ class Command(ReliableJobsCommand):
                 f"single enqueue floor: raw INSERT (autocommit) + one EVALSHA from this "
                 f"process, {floor:,.0f} jobs/s; enqueue takes {floor / single:.2f}x the "
                 f"floor's time per job")
+
+    def _process(self, backend: Any, queue: str, options: dict[str, Any]) -> None:
+        tasks = options["process_tasks"] or list(bench_process.TASKS)
+        self.stdout.write(f"runworker --burst in a stock project, {options['runs']} run(s) of "
+                          f"{', '.join(tasks)}, interleaved:")
+
+        def report(run: bench_process.ProcessRun) -> None:
+            self.stdout.write(run.line())
+            if run.profile is not None:
+                self.stdout.write(f"  profile: {run.profile}")
+
+        sizes = {task: options["jobs"] for task in tasks}
+        if options["query_jobs"] and "INCR + query" in sizes:
+            sizes["INCR + query"] = options["query_jobs"]
+        runs = bench_process.measure(backend, queue, sizes=sizes, runs=options["runs"],
+                                     report=report)
+        self.stdout.write("")
+        for line in bench_process.summary(runs):
+            self.stdout.write(line)
 
     def _ack_costs(self, backend: Any, queue: str, depths: list[int], sample: int) -> None:
         self.stdout.write("\njobs in flight   ack µs per job   (4 workers' claims, "
