@@ -153,15 +153,15 @@ class JobAdmin(ReadOnlyMixin, admin.ModelAdmin):  # type: ignore[type-arg]  # as
     action_form = PriorityActionForm
     fieldsets = (
         (None, {"fields": ("id", "task_path", "queue", "backend", "state_badge", "attempts_of",
-                           "priority")}),
+                           "priority", "fair_key")}),
         (_("Timing"), {"fields": ("runs_after", "enqueued", "started", "finished", "took",
                                   "updated")}),
         (_("Arguments and result"), {"fields": ("args_json", "kwargs_json", "return_json")}),
         (_("Error"), {"fields": ("last_error", "traceback")}),
     )
     readonly_fields = ("id", "task_path", "queue", "backend", "state_badge", "attempts_of",
-                       "priority", "runs_after", "enqueued", "started", "finished", "took",
-                       "updated", "args_json", "kwargs_json", "return_json", "last_error",
+                       "priority", "fair_key", "runs_after", "enqueued", "started", "finished",
+                       "took", "updated", "args_json", "kwargs_json", "return_json", "last_error",
                        "traceback")
 
     class Media:

@@ -78,7 +78,7 @@ class ReliableJobsBackend(BaseTaskBackend):
         """The Redis side, connected lazily (importing settings opens nothing)."""
         self._raise_if_misconfigured()
         return Broker(self.config.REDIS_URL, self.config.PREFIX,
-                      fair_share=self.config.FAIR_SHARE)
+                      fair_share=self.config.FAIR_SHARE, fair_weights=self.config.FAIR_WEIGHTS)
 
     @property
     def database(self) -> str:

@@ -45,6 +45,7 @@ PROBLEM_IDS: dict[ProblemKind, str] = {
     ProblemKind.BAD_SHARDS: "reliable_jobs.E010",
     ProblemKind.BAD_SCHEDULE: "reliable_jobs.E011",
     ProblemKind.BAD_LIMITS: "reliable_jobs.E017",
+    ProblemKind.BAD_FAIR_WEIGHTS: "reliable_jobs.E027",
 }
 
 

@@ -28,6 +28,8 @@ registers the app-wide ones. Ids:
   that is not count/period, a cap that is not 1 to 10,000, an unknown key);
   E018 a limit naming a queue not in QUEUES or a task no installed app
   defines; E019 a limit on a sharded queue (each shard would enforce it alone).
+- E027 a bad OPTIONS['FAIR_WEIGHTS'] entry (a group that is not a fair
+  group name, or a weight not from 1 to 1000).
 - W001 Redis does not answer (a warning: it may start after the web app).
 - W003 Redis may evict keys (maxmemory-policy is not noeviction); a
   deployment check (``check --deploy``).

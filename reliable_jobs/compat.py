@@ -34,6 +34,9 @@ _Action = TypeVar("_Action", bound=Callable[..., Any])
 #: What a task's ``unique_by`` may be: a function of the call's arguments, or argument names
 #: (see ``unique.py``). Here, the bottom layer, so the ``task`` decorator's type can name it.
 UniqueBy = Callable[..., Any] | Sequence[str]
+#: What a task's ``fair_key`` may be: a function of the call's arguments, or one
+#: argument's name (see ``fairness.py``). Here for the same reason.
+FairKey = Callable[..., Any] | str
 
 __all__ = [
     "DEFAULT_TASK_BACKEND_ALIAS",
@@ -41,6 +44,7 @@ __all__ = [
     "TASKS_LOGGER",
     "USING_BACKPORT",
     "BaseTaskBackend",
+    "FairKey",
     "InvalidTask",
     "InvalidTaskBackend",
     "Task",
@@ -86,7 +90,8 @@ if TYPE_CHECKING:
 
     class _TaskDecorator(Protocol):
         """django.tasks.task as the stubs type it, plus ReliableTask's options
-        (which task() passes on to the backend's task_class), unique ones included."""
+        (which task() passes on to the backend's task_class), unique ones and
+        fair_key included."""
 
         @overload
         def __call__[**P, R](
@@ -98,7 +103,7 @@ if TYPE_CHECKING:
             unique_for_ms: int | None = None, unique_by: UniqueBy | None = None,
             unique_while_running: bool = False, rate_limit: str | None = None,
             concurrency: int | None = None, rate_key: Callable[..., Any] | None = None,
-            concurrency_key: Callable[..., Any] | None = None,
+            concurrency_key: Callable[..., Any] | None = None, fair_key: FairKey | None = None,
         ) -> Task[P, R]: ...
         @overload
         def __call__[**P, R](
@@ -110,7 +115,7 @@ if TYPE_CHECKING:
             unique_for_ms: int | None = None, unique_by: UniqueBy | None = None,
             unique_while_running: bool = False, rate_limit: str | None = None,
             concurrency: int | None = None, rate_key: Callable[..., Any] | None = None,
-            concurrency_key: Callable[..., Any] | None = None,
+            concurrency_key: Callable[..., Any] | None = None, fair_key: FairKey | None = None,
         ) -> Task[P, R]: ...
         @overload
         def __call__[**P, R](
@@ -122,7 +127,7 @@ if TYPE_CHECKING:
             unique_for_ms: int | None = None, unique_by: UniqueBy | None = None,
             unique_while_running: bool = False, rate_limit: str | None = None,
             concurrency: int | None = None, rate_key: Callable[..., Any] | None = None,
-            concurrency_key: Callable[..., Any] | None = None,
+            concurrency_key: Callable[..., Any] | None = None, fair_key: FairKey | None = None,
         ) -> Callable[[Callable[Concatenate[TaskContext[Any, Any], P], R]], Task[P, R]]: ...
         @overload
         def __call__[**P, R](
@@ -134,7 +139,7 @@ if TYPE_CHECKING:
             unique_for_ms: int | None = None, unique_by: UniqueBy | None = None,
             unique_while_running: bool = False, rate_limit: str | None = None,
             concurrency: int | None = None, rate_key: Callable[..., Any] | None = None,
-            concurrency_key: Callable[..., Any] | None = None,
+            concurrency_key: Callable[..., Any] | None = None, fair_key: FairKey | None = None,
         ) -> Callable[[Callable[P, R]], Task[P, R]]: ...
 
     task: _TaskDecorator

@@ -16,7 +16,7 @@ from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from .flow import NO_LIMITS, Limits, parse_queue_limits, parse_task_options
-from .keys import MAX_SHARDS, PREFIX_RE, is_valid_queue_name
+from .keys import FAIR_GROUP_RE, MAX_FAIR_WEIGHT, MAX_SHARDS, PREFIX_RE, is_valid_queue_name
 from .redaction import SafeExceptionReporterFilter, mask_password
 
 #: Redis URL schemes accepted by ``redis.Redis.from_url``.
@@ -38,6 +38,7 @@ class ProblemKind(enum.Enum):
     BAD_SHARDS = enum.auto()
     BAD_SCHEDULE = enum.auto()
     BAD_LIMITS = enum.auto()
+    BAD_FAIR_WEIGHTS = enum.auto()
 
 
 #: One problem: its kind and a whole-sentence message.
@@ -86,6 +87,10 @@ class BackendOptions:
     #: whatever its priority (the others go highest priority first); 0
     #: means strict priority. See docs/howto/priorities.md.
     FAIR_SHARE: int = 10
+    #: Weights of fair groups, e.g. {"acme": 3}: a group takes that many jobs
+    #: per turn of its queue's rotation; unlisted groups take 1. See
+    #: docs/howto/fair-shares.md.
+    FAIR_WEIGHTS: dict[str, int] = field(default_factory=dict)
     #: Shards per queue, e.g. {"emails": 4}: each shard is a queue of its own
     #: (its own hash tag, so its own cluster slot); unlisted queues have one.
     SHARDS: dict[str, int] = field(default_factory=dict)
@@ -200,6 +205,18 @@ def parse(raw: Any) -> BackendOptions:
              f"shards from 1 to {MAX_SHARDS}, not {shards!r}.")
         )
         values.pop("SHARDS", None)
+    weights = values.get("FAIR_WEIGHTS", {})
+    if not isinstance(weights, dict) or not all(
+        isinstance(group, str) and FAIR_GROUP_RE.fullmatch(group)
+        and isinstance(weight, int) and not isinstance(weight, bool)
+        and 1 <= weight <= MAX_FAIR_WEIGHT for group, weight in weights.items()
+    ):
+        problems.append(
+            (ProblemKind.BAD_FAIR_WEIGHTS, f"OPTIONS['FAIR_WEIGHTS'] must map fair groups (1 to "
+             f"100 letters, digits, '.', '_', ':', '@' or '-') to a weight from 1 to "
+             f"{MAX_FAIR_WEIGHT}, not {weights!r}.")
+        )
+        values.pop("FAIR_WEIGHTS", None)
     if "SCHEDULE" in values:
         from .periodic.declared import from_options
 

@@ -23,6 +23,13 @@ PHYSICAL_QUEUE_RE = re.compile(r"[A-Za-z0-9._-]{1,100}(#[1-9][0-9]{0,3})?")
 #: Most shards one queue may be split into.
 MAX_SHARDS = 1024
 
+#: A fair group (fairness.py): 1 to 100 letters, digits or ``._:@-``. It ends
+#: a key (QueueKeys.group), and the weights reach claim.lua as
+#: ``group=weight,...``, hence no ',' or '='.
+FAIR_GROUP_RE = re.compile(r"[A-Za-z0-9._:@-]{1,100}")
+#: Largest weight of a fair group: jobs it takes per turn (claim.lua checks it too).
+MAX_FAIR_WEIGHT = 1000
+
 
 def is_valid_queue_name(name: object) -> bool:
     """Return True when ``name`` can be used inside a key and a hash tag."""
@@ -108,6 +115,43 @@ class QueueKeys:
     def share(self) -> str:
         """Counter of jobs claimed while several bands wait (the fair share's turn)."""
         return f"{self.base}:share"
+
+    @property
+    def fair_bands(self) -> str:
+        """Sorted set of the priorities (0 included) whose jobs wait in fair groups.
+
+        Member and score are both the priority; a priority is listed while
+        its rotation (:attr:`rota_prefix`) is not empty. A queue whose jobs
+        never carry a fair key never has this key, and its claims take the
+        plain path.
+        """
+        return f"{self.base}:fairbands"
+
+    @property
+    def rota_prefix(self) -> str:
+        """The rotation of priority p is ``rota_prefix + p``: a sorted set of
+        the fair groups with jobs waiting at p, group -> its place in the turn
+        order ('' stands for the priority's plain list while it has jobs)."""
+        return f"{self.base}:rota:"
+
+    @property
+    def group_prefix(self) -> str:
+        """The list of group g at priority p is ``group_prefix + p + ':' + g``."""
+        return f"{self.base}:group:"
+
+    def group(self, priority: int, group: str) -> str:
+        """The list of ids of fair group ``group`` ready to run at ``priority``."""
+        return f"{self.group_prefix}{priority}:{group}"
+
+    @property
+    def fair(self) -> tuple[str, str, str]:
+        """What every script that pushes a job takes last: fair_bands, rota and group prefixes."""
+        return (self.fair_bands, self.rota_prefix, self.group_prefix)
+
+    @property
+    def turn(self) -> str:
+        """Hash: priority -> jobs its rotation's head group took in its current turn."""
+        return f"{self.base}:turn"
 
     @property
     def strays(self) -> str:

@@ -92,6 +92,11 @@ class Job(models.Model):
     unique_key = models.CharField(  # noqa: DJ001 - NULL means "no key", see above
         _("unique key"), max_length=64, null=True, blank=True, editable=False)
 
+    #: The job's fair group ('' for none): the tenant whose jobs take turns
+    #: with other tenants' in its queue (fairness.py); a rebuild from the
+    #: mirror puts the job back in it.
+    fair_key = models.CharField(_("fair group"), max_length=100, blank=True, default="")
+
     objects = JobQuerySet.as_manager()
 
     class Meta:

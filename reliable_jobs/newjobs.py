@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.db import transaction
 
-from . import payload, unique
+from . import fairness, payload, unique
 from .broker import Broker, NewJob, epoch_ms
 from .compat import InvalidTask, Task, TaskResult, TaskResultStatus
 from .jobids import BATCH, new_job_ids
@@ -89,21 +89,24 @@ class NewJobsBuilder:
         task, max_attempts, priority = self.task, self.max_attempts, self.task.priority
         due_ms, shards, encode = epoch_ms(task.run_after), self.shards, self.encode
         keyed, results, keys = self.keyed, self.results, self.keys
+        fair = getattr(task, "fair_key", None) is not None
         # The first result is built whole and is the template of the others
         # (see ResultStamp); a single enqueue builds just that one.
         stamp: ResultStamp | None = None
         many = len(self.calls) > 1
         ids = new_job_ids(max(1, min(len(self.calls), BATCH)))
         pushes = self.pushes[shard_queue(task.queue_name, 0)]  # every job's, without shards
-        shard, key = 0, None
+        shard, key, group = 0, None, ""
         for call_args, call_kwargs in self.calls:
             args, kwargs = list(call_args), dict(call_kwargs)
             text, args_json, kwargs_json = encode(args, kwargs)
             if keyed:
                 key = unique.key_for(task, self.alias, args, kwargs)  # type: ignore[arg-type]  # keyed: a ReliableTask
                 keys.append(key)
+            if fair:
+                group = fairness.group_for(task, args, kwargs)  # type: ignore[arg-type]  # fair: a ReliableTask
             job_id = next(ids)
-            job = NewJob(job_id, text, max_attempts, due_ms, priority=priority)
+            job = NewJob(job_id, text, max_attempts, due_ms, priority=priority, group=group)
             if shards > 1:
                 shard = random.randrange(shards)  # producers spread jobs, workers drain all
                 self.pushes[shard_queue(task.queue_name, shard)].append(job)
@@ -116,7 +119,7 @@ class NewJobsBuilder:
                     task, job_id=job_id, status=NEW_JOB_STATUS, args=args, kwargs=kwargs,
                     backend=self.alias, enqueued_at=self.now))
                 stamp = ResultStamp(results[0]) if many else None
-            yield job_id, shard, args_json, kwargs_json, key
+            yield job_id, shard, args_json, kwargs_json, key, group
 
     def settle(self, held: Mapping[str, Job], result_of: Callable[[Job], TaskResult[..., Any]],
                ) -> tuple[list[TaskResult[..., Any]], list[TaskResult[..., Any]]]:

@@ -1,8 +1,8 @@
 """The task class of this backend, and the allow-list of runnable tasks.
 
 ``@task(max_attempts=5, retry_base_ms=500, timeout_ms=60_000)`` (and the
-unique options, ``unique_for_ms=60_000``, and the flow limits,
-``rate_limit="10/s"``, ``concurrency=2``, ``rate_key=``, ``concurrency_key=``) works
+unique options, ``unique_for_ms=60_000``, the flow limits, ``rate_limit="10/s"``,
+``concurrency=2``, ``rate_key=``, ``concurrency_key=``, and ``fair_key="account_id"``) works
 because Django's ``task()`` passes extra keyword arguments to the backend's
 ``task_class``. Every such task registers itself by its import path when it
 is created. A worker fills the registry at start-up (:func:`discover` imports
@@ -24,7 +24,8 @@ from django.core.signals import setting_changed
 from django.dispatch import receiver
 from django.utils.module_loading import autodiscover_modules
 
-from .compat import InvalidTask, Task, UniqueBy
+from . import fairness
+from .compat import FairKey, InvalidTask, Task, UniqueBy
 from .flow import Limits, check_task_options, task_flow
 from .unique import check_options
 
@@ -69,6 +70,10 @@ class ReliableTask(Task):  # type: ignore[type-arg]  # generic only in django-st
     rate_key: Callable[..., Any] | None = None
     #: Likewise for the concurrency cap.
     concurrency_key: Callable[..., Any] | None = None
+    #: The job's fair group (tenant): the name of one argument, or a function
+    #: of the call's arguments returning a str, an int or None (no group).
+    #: Groups of one queue and priority take turns (fairness.py).
+    fair_key: FairKey | None = None
 
     def __post_init__(self) -> None:
         # Zero-argument super() does not work in a slots dataclass.
@@ -88,6 +93,7 @@ class ReliableTask(Task):  # type: ignore[type-arg]  # generic only in django-st
                                      self.concurrency_key)
         if problem:
             raise InvalidTask(problem)
+        fairness.check_options(self)
         register(self)
 
 

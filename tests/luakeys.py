@@ -72,7 +72,7 @@ def header_keys(source: str) -> list[tuple[int, str]]:
     """(index, name) for each ``KEYS[i] name`` line of a script's header."""
     header = re.match(r"--\[\[(.*?)\]\]", source, flags=re.DOTALL)
     assert header, "the script does not open with a --[[ ]] header"
-    prefixes = ("job prefix", "band prefix", "flow prefix")
+    prefixes = ("job prefix", "band prefix", "flow prefix", "rota prefix", "group prefix")
     return [(int(index), " ".join(rest.split()[:2]) if rest.startswith(prefixes)
              else rest.split()[0])
             for index, rest in re.findall(r"^\s*KEYS\[(\d+)\]\s+(.+)$", header.group(1),
@@ -88,10 +88,14 @@ def key_problems(source: str) -> list[str]:
         problems.append("KEYS is used other than in `local name = KEYS[i]`")
     job_prefix = next((name for name in bound if name == "job_prefix"), None)
     # A priority band's list is band_prefix .. priority (keys.QueueKeys.band).
-    band_prefix = next((name for name in bound if name == "band_prefix"), None)
+    # So is a fair rotation (rota_prefix .. priority) and a fair group's list
+    # (group_prefix .. a local holding "priority:group"): see keys.QueueKeys.
+    list_prefixes = [name for name in bound if name in ("band_prefix", "rota_prefix",
+                                                        "group_prefix")]
     # A limit's keys are flow_prefix .. kind .. wire name (keys.QueueKeys.flow).
     flow_prefix = next((name for name in bound if name == "flow_prefix"), None)
-    plain_keys = {name for name in bound if name not in (job_prefix, band_prefix, flow_prefix)}
+    plain_keys = {name for name in bound
+                  if name not in (job_prefix, flow_prefix) and name not in list_prefixes}
     job_keys: set[str] = set()
     if job_prefix:
         job_keys = set(re.findall(rf"\blocal\s+(\w+)\s*=\s*{job_prefix}\s*\.\.\s*\w+\s*$", code,
@@ -111,7 +115,8 @@ def key_problems(source: str) -> list[str]:
         unpacked = re.fullmatch(r"unpack\((\w+)(?:,.*)?\)", expression)
         return (expression in plain_keys or expression in job_keys
                 or bool(job_prefix and re.fullmatch(rf"{job_prefix}\s*\.\.\s*\w+", expression))
-                or bool(band_prefix and re.fullmatch(rf"{band_prefix}\s*\.\.\s*\w+", expression))
+                or any(re.fullmatch(rf"{prefix}\s*\.\.\s*\w+", expression)
+                       for prefix in list_prefixes)
                 or bool(flow_prefix and re.fullmatch(rf"{flow_prefix}\s*\.\.\s*'\w+:'\s*\.\.\s*\w+",
                                                      expression))
                 or bool(unpacked and unpacked.group(1) in key_tables))

@@ -142,6 +142,9 @@ class QueueMachine(RuleBasedStateMachine):
         #: behind): no copy of theirs may ever come back from a claim as garbage.
         self.reprioritized: set[str] = set()
         self.ever_cancelled: set[str] = set()
+        #: Jobs whose place in their group's list is not their enqueue order
+        #: (deferred, pushed late, moved by staff): left out of the FIFO check.
+        self.out_of_order: set[str] = set()
         #: Jobs whose stalled on-commit push arrived late: if Redis had lost
         #: the job meanwhile, it runs at the priority it was enqueued with
         #: even when staff changed the row's since (docs/design.md).
@@ -346,10 +349,17 @@ class QueueMachine(RuleBasedStateMachine):
             self.enqueue(deferred=later, late=False)
 
     @precondition(lambda self: len(self.jobs) < 6)
-    @rule(deferred=st.booleans(), late=st.booleans(), priority=st.sampled_from([0, 0, 3, -3]))
-    def enqueue(self, deferred: bool, late: bool, priority: int = 0) -> None:
-        """backend.enqueue in a transaction; the push runs on commit, or is held back."""
-        task = demo.add
+    @rule(deferred=st.booleans(), late=st.booleans(), priority=st.sampled_from([0, 0, 3, -3]),
+          tenant=st.sampled_from([None, None, "t1", "t2"]))
+    def enqueue(self, deferred: bool, late: bool, priority: int = 0,
+                tenant: str | None = None) -> None:
+        """backend.enqueue in a transaction; the push runs on commit, or is held back.
+
+        With a ``tenant`` the job has that fair group (demo.tenant_add).
+        """
+        task = demo.add if tenant is None else demo.tenant_add
+        args: tuple[Any, ...] = ((len(self.jobs), 1) if tenant is None
+                                 else (tenant, len(self.jobs), 1))
         if priority:
             task = task.using(priority=priority)
         if deferred:
@@ -359,10 +369,12 @@ class QueueMachine(RuleBasedStateMachine):
             self.backend._push = lambda queue, jobs: self.late_pushes.extend(jobs)  # type: ignore[method-assign]
         try:
             with transaction.atomic():
-                result = task.enqueue(len(self.jobs), 1)
+                result = task.enqueue(*args)
         finally:
             self.backend.__dict__.pop("_push", None)
         self.jobs.append(result.id)
+        if deferred or late:
+            self.out_of_order.add(result.id)
 
     @precondition(lambda self: self.late_pushes)
     @rule(index=st.integers(0, 10))
@@ -701,6 +713,7 @@ class QueueMachine(RuleBasedStateMachine):
         it acted in Redis; with ``slow_push`` a rebuild's push is slow.
         """
         job_id = self.jobs[index % len(self.jobs)]
+        self.out_of_order.add(job_id)
         with self.slowly(slow_push):
             done = self.staff_commit(job_id, commit_fails,
                                      lambda: getattr(staff, action)(self.backend.parts,
@@ -744,6 +757,7 @@ class QueueMachine(RuleBasedStateMachine):
     def staff_reprioritize(self, index: int, priority: int, commit_fails: bool = False) -> None:
         """Staff give a job another priority (staff.reprioritize, reprioritize.lua)."""
         job_id = self.jobs[index % len(self.jobs)]
+        self.out_of_order.add(job_id)
         if self.staff_commit(job_id, commit_fails, lambda: staff.reprioritize(
                 self.backend.parts, job_id, priority).done):
             self.reprioritized.add(job_id)
@@ -844,9 +858,8 @@ class QueueMachine(RuleBasedStateMachine):
         if not unfinished:
             return
         client, k = self.broker.client, self.keys
-        queued = set(client.lrange(k.queued, 0, -1)) | self.held_ids()
-        for band in client.zrange(k.bands, 0, -1):
-            queued |= set(client.lrange(k.band(int(band)), 0, -1))
+        queued = {job_id for ids in self.lists_claims_visit().values() for job_id in ids}
+        queued |= self.held_ids()
         landing = set(client.lrange(k.landing, 0, -1))
         scheduled = set(client.zrange(k.scheduled, 0, -1))
         leases = set(client.zrange(k.leases, 0, -1))
@@ -868,6 +881,70 @@ class QueueMachine(RuleBasedStateMachine):
                       f"landing={job_id in landing}, "
                       f"scheduled={job_id in scheduled}, lease={job_id in leases}")
 
+    def lists_claims_visit(self) -> dict[tuple[int, str], list[str]]:
+        """The ids on every list a claim looks at, by (priority, fair group or '').
+
+        A claim visits priority 0's plain list, the plain list of every
+        priority in bands, and the list of every group in the rotation of a
+        priority listed in fair_bands; a non-zero priority's groups only
+        while that priority is in bands too (claim.lua). A job anywhere else
+        would never be claimed.
+        """
+        client, k = self.broker.client, self.keys
+        bands = [0] + [int(b) for b in client.zrange(k.bands, 0, -1)]
+        lists = {(band, ""): client.lrange(k.band(band), 0, -1) for band in bands}
+        for band in map(int, client.zrange(k.fair_bands, 0, -1)):
+            if band not in bands:
+                continue
+            for group in client.zrange(f"{k.rota_prefix}{band}", 0, -1):
+                if group:
+                    lists[(band, group)] = client.lrange(k.group(band, group), 0, -1)
+        return lists
+
+    @invariant()
+    def waiting_jobs_take_their_turn_in_their_group(self) -> None:
+        """A queued job of a fair group is on its group's list, which a claim visits.
+
+        Its group in Redis is its row's (a rebuild puts it back there); a
+        band with a rotation lists its plain list in it whenever that list
+        holds jobs; and jobs only ever enqueued once wait in their enqueue
+        order within their group (oldest on the right).
+        """
+        rows = self.rows()
+        if not rows:
+            return
+        client, k = self.broker.client, self.keys
+        visited = self.lists_claims_visit()
+        # A job a limit holds back waits on that limit's held list instead.
+        landing = set(client.lrange(k.landing, 0, -1)) | self.held_ids()
+        with client.pipeline(transaction=False) as pipe:
+            for job_id in rows:
+                pipe.hmget(k.job(job_id), "state", "priority", "fair", "attempts", "gen")
+            found = dict(zip(rows, pipe.execute(), strict=True))
+        for job_id, (state, priority, group, _, _) in found.items():
+            if state not in ("queued", "scheduled", "running", "dead"):
+                continue  # no hash, or a tombstone (finished, cancelled): only state and gen
+            if (group or "") != rows[job_id].fair_key:
+                self.fail(f"job {job_id} has fair group {group!r} in Redis but "
+                          f"{rows[job_id].fair_key!r} in its row")
+            if state == "queued" and job_id not in landing and \
+                    job_id not in visited.get((int(priority or 0), group or ""), []):
+                self.fail(f"job {job_id} is queued at priority {priority or 0} in group "
+                          f"{group!r}, but on no list a claim visits")
+        fair_bands = {int(b) for b in client.zrange(k.fair_bands, 0, -1)}
+        for band in fair_bands:
+            if client.llen(k.band(band)) and client.zscore(f"{k.rota_prefix}{band}", "") is None:
+                self.fail(f"priority {band} has groups and plain jobs, but the plain list has "
+                          "no turn")
+        order = {job_id: index for index, job_id in enumerate(self.jobs)}
+        for (_, group), ids in visited.items():
+            fresh = [order[i] for i in ids if i in order and i not in self.out_of_order
+                     and found.get(i, (None,) * 5)[3] in ("0", None)
+                     and found[i][4] in ("0", None) and group]
+            if fresh != sorted(fresh, reverse=True):
+                self.fail(f"group {group!r}'s list holds its jobs out of their enqueue order: "
+                          f"{ids}")
+
     @invariant()
     def waiting_jobs_wait_at_their_priority(self) -> None:
         """A queued job is on its own priority's list (or landing); Redis and the row agree.
@@ -882,9 +959,9 @@ class QueueMachine(RuleBasedStateMachine):
         landing = set(client.lrange(k.landing, 0, -1)) | self.held_ids()
         with client.pipeline(transaction=False) as pipe:
             for job_id in rows:
-                pipe.hmget(k.job(job_id), "state", "priority")
+                pipe.hmget(k.job(job_id), "state", "priority", "fair")
             found = dict(zip(rows, pipe.execute(), strict=True))
-        for job_id, (state, priority) in found.items():
+        for job_id, (state, priority, group) in found.items():
             if state not in ("queued", "scheduled"):
                 continue
             band = int(priority or 0)
@@ -893,7 +970,8 @@ class QueueMachine(RuleBasedStateMachine):
                     and job_id not in self.pushed_late | self.staff_unmirrored:
                 self.fail(f"job {job_id} has priority {band} in Redis but {row.priority} in "
                           "its row: a rebuild would change it")
-            if state == "queued" and job_id not in landing and \
+            # (A job of a fair group waits on its group's list: the check above.)
+            if state == "queued" and job_id not in landing and not group and \
                     client.lpos(k.band(band), job_id) is None:
                 self.fail(f"job {job_id} is queued at priority {band} but not on that "
                           "priority's list")

@@ -160,6 +160,40 @@ def test_priorities_on_the_cluster_every_script_in_its_queues_slot(
         broker.close()
 
 
+def test_fair_groups_on_the_cluster_every_script_in_its_queues_slot(
+    cluster: RedisClusterHarness, cluster_env: dict[str, str]
+) -> None:
+    # Given a broker on the cluster (a script touching a key of another slot
+    # would fail there) with a weight, and two tenants' jobs on each queue,
+    # some of them at priority 5
+    broker = Broker(cluster.url, "rj", fair_weights={"big": 2})
+    payload = '{"task":"x","args":[],"kwargs":{}}'
+    try:
+        for queue in QUEUES:
+            broker.enqueue(queue, [NewJob(f"{queue}-big{i}", payload, 3, group="big")
+                                   for i in range(6)])
+            broker.enqueue(queue, [NewJob(f"{queue}-small{i}", payload, 3, group="small")
+                                   for i in range(2)])
+            broker.enqueue(queue, [NewJob(f"{queue}-urgent", payload, 3, group="small",
+                                          priority=5)])
+
+        for queue in QUEUES:
+            # When the first job fails and is retried, and the rest is claimed in batches
+            first = broker.claim(queue, count=1, lease_ms=60_000).jobs[0]
+            assert first.id == f"{queue}-urgent"
+            assert broker.nack(queue, [(*first.fence, 0, "boom")]) == [True]
+            order: list[str] = []
+            while jobs := broker.claim(queue, count=3, lease_ms=60_000).jobs:
+                order += [j.id.removeprefix(f"{queue}-") for j in jobs]
+
+            # Then priority 5 first, then the groups in turn (two of big's per turn)
+            assert order == ["urgent", "big0", "big1", "small0", "big2", "big3", "small1",
+                             "big4", "big5"]
+            assert broker.counts(queue).queued == 0
+    finally:
+        broker.close()
+
+
 def test_a_worker_serving_one_queue_runs_jobs_by_priority_on_the_cluster(
     cluster: RedisClusterHarness, cluster_env: dict[str, str], rj_settings: Any,
     processes: Processes

@@ -100,6 +100,7 @@ def replay(*steps: Callable[[QueueMachine], object]) -> None:
         machine.finished_rows_are_not_waiting_in_redis()
         machine.unfinished_rows_are_reachable()
         machine.waiting_jobs_wait_at_their_priority()
+        machine.waiting_jobs_take_their_turn_in_their_group()
     machine.teardown()
 
 

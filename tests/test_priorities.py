@@ -135,10 +135,11 @@ def test_a_priority_out_of_range_is_refused_before_anything_is_written(
     # When enqueue.lua gets a bad priority next to a good job
     k = broker.keys(Q)
     good = job("good")
-    args = [good.id, good.payload, 3, 0, 0, 0, 0, "bad", good.payload, 3, 0, 0, 0, priority]
+    args = [good.id, good.payload, 3, 0, 0, 0, 0, "", "bad", good.payload, 3, 0, 0, 0, priority,
+            ""]
     with pytest.raises(redis.ResponseError, match="priority must be a whole number"):
         broker._run("enqueue", (k.queued, k.scheduled, k.wake, k.job_prefix, k.bands,
-                                k.band_prefix), args)
+                                k.band_prefix, *k.fair), args)
 
     # Then neither job was written
     assert prefixed_keys(broker) == set()

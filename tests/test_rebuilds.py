@@ -212,7 +212,7 @@ def test_a_late_push_landing_before_reconciles_push_is_taken_over(
 
     # When: the late push (generation 0) lands between reconcile's look and its push
     with around_script(broker, "enqueue", lambda: broker._run(
-            "enqueue", _enqueue_keys(broker), [late.id, late.payload, 3, 0, 0, 0, 0])):
+            "enqueue", _enqueue_keys(broker), [late.id, late.payload, 3, 0, 0, 0, 0, ""])):
         report = Sweep(backend.parts).reconcile()
 
     # Then: one job waits, of the row's generation, and the run of it is the
@@ -226,7 +226,7 @@ def test_a_late_push_landing_before_reconciles_push_is_taken_over(
 
 def _enqueue_keys(broker: Broker) -> tuple[str, ...]:
     k = broker.keys("default")
-    return (k.queued, k.scheduled, k.wake, k.job_prefix, k.bands, k.band_prefix)
+    return (k.queued, k.scheduled, k.wake, k.job_prefix, k.bands, k.band_prefix, *k.fair)
 
 
 def test_a_late_push_claimed_before_reconciles_push_keeps_the_row_on_its_generation(
@@ -244,7 +244,7 @@ def test_a_late_push_claimed_before_reconciles_push_keeps_the_row_on_its_generat
 
     def late_push_claimed() -> None:
         if not held:
-            broker._run("enqueue", _enqueue_keys(broker), [result.id, payload, 3, 0, 0, 0, 0])
+            broker._run("enqueue", _enqueue_keys(broker), [result.id, payload, 3, 0, 0, 0, 0, ""])
             held.extend(broker.claim("default", count=1, lease_ms=60_000).jobs)
 
     # When: the late push lands, and a worker claims it, between reconcile's

@@ -1257,9 +1257,10 @@ def test_a_late_push_after_the_ack_of_a_rebuilt_job_is_refused(broker: Broker) -
     k = broker.keys(Q)
     rebuilt, fresh = new_job("a", attempts=2, gen=2), new_job("b")
     args = [x for j in (new_job("a"), rebuilt, fresh)
-            for x in (j.id, j.payload, j.max_attempts, j.due_ms, j.attempts, j.gen, j.priority)]
+            for x in (j.id, j.payload, j.max_attempts, j.due_ms, j.attempts, j.gen, j.priority,
+                      j.group)]
     written = broker._run("enqueue", (k.queued, k.scheduled, k.wake, k.job_prefix, k.bands,
-                                      k.band_prefix), args)
+                                      k.band_prefix, *k.fair), args)
 
     # Then the script answers per job: the stale push refused, the newer
     # generation replacing the tombstone (no expiry left), the new job written

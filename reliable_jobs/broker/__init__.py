@@ -91,11 +91,12 @@ class Broker(Lifecycle, Inspection):
         args: list[Any] = []
         for job in jobs:
             args += (job.id, job.payload, job.max_attempts, job.due_ms, job.attempts, job.gen,
-                     job.priority)
+                     job.priority, job.group)
         if not args:
             return []
         written = [bool(int(one)) for one in self._run(
-            "enqueue", (k.queued, k.scheduled, k.wake, k.job_prefix, k.bands, k.band_prefix),
+            "enqueue", (k.queued, k.scheduled, k.wake, k.job_prefix, k.bands, k.band_prefix,
+                        *k.fair),
             args)]
         self._wake(queue, any(written))
         return written
@@ -118,7 +119,8 @@ class Broker(Lifecycle, Inspection):
         """
         k = self.keys(queue)
         changed, state, old = self._run(
-            "reprioritize", (k.queued, k.wake, k.job_prefix, k.bands, k.band_prefix, k.strays),
+            "reprioritize", (k.queued, k.wake, k.job_prefix, k.bands, k.band_prefix, k.strays,
+                             *k.fair),
             (job_id, priority))
         self._wake(queue, int(changed) and state == "queued")
         return bool(changed), state, int(old)
@@ -126,7 +128,7 @@ class Broker(Lifecycle, Inspection):
     def revive(self, queue: str, job_id: str, *, extra_attempts: int) -> bool:
         """Queue a dead job again with ``extra_attempts`` more attempts."""
         k = self.keys(queue)
-        keys = (k.queued, k.dead, k.wake, k.job_prefix, k.bands, k.band_prefix)
+        keys = (k.queued, k.dead, k.wake, k.job_prefix, k.bands, k.band_prefix, *k.fair)
         revived = bool(self._run("revive", keys, (job_id, extra_attempts)))
         self._wake(queue, revived)
         return revived
@@ -135,7 +137,7 @@ class Broker(Lifecycle, Inspection):
         """Run a scheduled job now; returns (moved, state found, '' when no hash)."""
         k = self.keys(queue)
         moved, state = self._run("requeue", (k.queued, k.scheduled, k.wake, k.job_prefix,
-                                             k.bands, k.band_prefix), (job_id,))
+                                             k.bands, k.band_prefix, *k.fair), (job_id,))
         self._wake(queue, moved)
         return bool(moved), state
 

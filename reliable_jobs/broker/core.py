@@ -7,7 +7,7 @@ built on it (see :mod:`reliable_jobs.broker`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import redis
@@ -21,12 +21,17 @@ from .connection import SOCKET_TIMEOUT_S, connect, is_cluster_url
 class BrokerCore:
     """Connections, key sets and scripts of one Redis server under one key prefix."""
 
-    def __init__(self, url: str, prefix: str, *, fair_share: int = 0) -> None:
+    def __init__(self, url: str, prefix: str, *, fair_share: int = 0,
+                 fair_weights: Mapping[str, int] | None = None) -> None:
         self.url = url
         self.prefix = prefix
         #: One claim in ``fair_share`` (while several priorities wait) takes
         #: the job that waited longest; 0: strict priority. See claim.lua.
         self.fair_share = fair_share
+        #: The fair groups' weights as claim.lua takes them ('group=weight,...';
+        #: unlisted groups take one job per turn).
+        self.fair_weights = ",".join(f"{group}={weight}"
+                                     for group, weight in sorted((fair_weights or {}).items()))
         #: Queues this process saw with priority bands in use: a worker
         #: waiting on one of them alone waits on its wake marker, which
         #: every band's push signals, instead of BLMOVE on priority 0's list.

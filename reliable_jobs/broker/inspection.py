@@ -79,7 +79,8 @@ class Inspection(BrokerCore):
         return [job_id for job_id, died in found if died < before_ms], len(found) == count
 
     def counts(self, queue: str) -> QueueCounts:
-        """Ids on each list; queued adds up every priority band (at most 201 lists).
+        """Ids on each list; queued adds up every priority band (at most 201 lists)
+        and every fair group's list (one LLEN per group waiting, pipelined).
 
         Running counts the leases set, the in-flight index (an orphan a
         sweep leased on landing included).
@@ -91,11 +92,23 @@ class Inspection(BrokerCore):
             pipe.zcard(k.scheduled)
             pipe.zcard(k.dead)
             pipe.zrange(k.bands, 0, -1)
-            queued, running, scheduled, dead, bands = pipe.execute()
+            pipe.zrange(k.fair_bands, 0, -1)
+            queued, running, scheduled, dead, bands, fair_bands = pipe.execute()
         if bands:
             with self.client.pipeline(transaction=False) as pipe:
                 for band in bands:
                     pipe.llen(f"{k.band_prefix}{band}")
+                queued += sum(pipe.execute())
+        if fair_bands:
+            with self.client.pipeline(transaction=False) as pipe:
+                for band in fair_bands:
+                    pipe.zrange(f"{k.rota_prefix}{band}", 0, -1)
+                rotations = pipe.execute()
+            with self.client.pipeline(transaction=False) as pipe:
+                for band, groups in zip(fair_bands, rotations, strict=True):
+                    for group in groups:
+                        if group:  # '' is the plain list, counted above
+                            pipe.llen(k.group(int(band), group))
                 queued += sum(pipe.execute())
         held = sum(self.held_back(queue).values())
         return QueueCounts(queued + held, running, scheduled, dead, held)

@@ -114,9 +114,10 @@ class Lifecycle(BrokerCore):
         reply = self._run(
             "claim",
             (k.queued, k.leases, k.dead, k.wake, k.job_prefix, k.landing,
-             k.bands, k.band_prefix, k.share, k.strays, k.paused, k.flow_prefix, k.holds),
+             k.bands, k.band_prefix, k.share, k.strays, k.paused, k.flow_prefix, k.holds,
+             *k.fair, k.turn),
             (max(count, 1 if moved_id else 0), lease_ms, moved_id or "", self.fair_share,
-             EXHAUSTED_CLASS, *limits),
+             EXHAUSTED_CLASS, *limits, self.fair_weights),
         )
         jobs_flat, dead_flat, garbage, remaining, banded, hold_ms, hold_by_cap = reply
         if int(banded):
@@ -161,7 +162,7 @@ class Lifecycle(BrokerCore):
         k = self.keys(queue)
         args = [x for entry in failed for x in entry]
         keys = (k.queued, k.leases, k.scheduled, k.dead, k.wake, k.job_prefix,
-                k.bands, k.band_prefix)
+                k.bands, k.band_prefix, *k.fair)
         applied = _applied(self._run("nack", keys, args))
         self._wake(queue, any(ok == Applied.DONE and entry[3] == 0
                               for ok, entry in zip(applied, failed, strict=True)))
@@ -186,7 +187,7 @@ class Lifecycle(BrokerCore):
         k = self.keys(queue)
         args = [x for job_id, attempt, gen, started in held
                 for x in (job_id, attempt, gen, int(started))]
-        keys = (k.queued, k.leases, k.wake, k.job_prefix, k.bands, k.band_prefix)
+        keys = (k.queued, k.leases, k.wake, k.job_prefix, k.bands, k.band_prefix, *k.fair)
         released = _applied(self._run("release", keys, args))
         self._wake(queue, Applied.DONE in released)
         return released
@@ -233,7 +234,7 @@ class Lifecycle(BrokerCore):
         outcomes_flat, stamped = self._run(
             "recover",
             (k.queued, k.processing, k.leases, k.dead, k.wake, k.job_prefix, k.landing,
-             k.bands, k.band_prefix, k.strays),
+             k.bands, k.band_prefix, k.strays, *k.fair),
             args,
         )
         outcomes = [
@@ -248,6 +249,6 @@ class Lifecycle(BrokerCore):
         """Move due scheduled jobs onto queued."""
         k = self.keys(queue)
         promoted = int(self._run("promote", (k.queued, k.scheduled, k.wake, k.job_prefix,
-                                             k.bands, k.band_prefix), (limit,)))
+                                             k.bands, k.band_prefix, *k.fair), (limit,)))
         self._wake(queue, promoted)
         return promoted

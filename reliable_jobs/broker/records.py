@@ -65,6 +65,8 @@ class NewJob:
     gen: int = 0
     #: -100 to 100, higher runs first (Django's range); 0 keeps the plain list.
     priority: int = 0
+    #: The job's fair group ('' for none): groups of a queue take turns (claim.lua).
+    group: str = ""
 
 
 @dataclass(frozen=True, slots=True)

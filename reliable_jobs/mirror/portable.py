@@ -38,9 +38,10 @@ from .records import (
 
 def _job(new: NewJobs, row: NewRow) -> Job:
     """One row of ``new`` as a model instance (the clocks: the producer's)."""
-    job_id, shard, args, kwargs, key = row
+    job_id, shard, args, kwargs, key, group = row
     return Job(id=uuid.UUID(job_id), shard=shard, args=json.loads(args),
-               kwargs=json.loads(kwargs), unique_key=key, enqueued_at=new.enqueued_at,
+               kwargs=json.loads(kwargs), unique_key=key, fair_key=group,
+               enqueued_at=new.enqueued_at,
                updated_at=new.enqueued_at, **dict(new.shared()))
 
 

@@ -48,7 +48,7 @@ DATABASE_NOW = "statement_timestamp()"
 
 #: A new job's own columns as the INSERTs take them, NewRow's order then its
 #: enqueue time; the rest are NewJobs.shared() and ``updated_at``.
-OWN_COLUMNS = ("id", "shard", "args", "kwargs", "unique_key", "enqueued_at")
+OWN_COLUMNS = ("id", "shard", "args", "kwargs", "unique_key", "fair_key", "enqueued_at")
 #: Rows per INSERT of unique jobs (six parameters each).
 UNIQUE_BATCH = 500
 
@@ -58,7 +58,7 @@ def insert_sql(shared: tuple[tuple[str, Any], ...], rows: int, *, keyed: bool) -
     """The INSERT of ``rows`` new jobs that share ``shared`` (NewJobs.shared()).
 
     The shared values are SQL literals (quoted by psycopg), so each row sends
-    six parameters, five without a key: each parameter costs the driver a
+    seven parameters, six without a key: each parameter costs the driver a
     value to adapt per call (a datetime about 10 µs), and a single enqueue
     would otherwise send sixteen values of seven types. ``keyed`` skips the
     rows whose unique key is taken (the rj_job_unique_key index judges) and
@@ -81,10 +81,10 @@ def insert_one(connection: BaseDatabaseWrapper, new: NewJobs) -> None:
     Timestamps go as ISO text, as in the COPY (PostgreSQL reads the offset;
     a naive one is read in the connection's time zone, as Django's would be).
     """
-    [(job_id, shard, args, kwargs, _)] = new.rows
+    [(job_id, shard, args, kwargs, _, group)] = new.rows
     with connection.cursor() as cursor:
         cursor.execute(insert_sql(new.shared(), 1, keyed=False),
-                       (job_id, shard, args, kwargs, new.enqueued_at.isoformat()))
+                       (job_id, shard, args, kwargs, group, new.enqueued_at.isoformat()))
 
 
 def insert_keyed(connection: BaseDatabaseWrapper, new: NewJobs) -> set[str]:
@@ -102,7 +102,7 @@ def insert_keyed(connection: BaseDatabaseWrapper, new: NewJobs) -> set[str]:
 
 #: COPY's columns: a row's own values first (NewRow's, its key left out: a
 #: keyed row goes through insert_keyed), then the shared ones and the clocks.
-COPY_COLUMNS = ("id", "shard", "args", "kwargs")
+COPY_COLUMNS = ("id", "shard", "args", "kwargs", "fair_key")
 #: Rows per write while a COPY streams: PostgreSQL parses and indexes one
 #: chunk while the caller makes the next (rows may come from a generator).
 COPY_CHUNK = 1000
@@ -142,8 +142,8 @@ def copy_jobs(connection: BaseDatabaseWrapper, new: NewJobs) -> None:
         while chunk := list(islice(rows, COPY_CHUNK)):
             copy.write("".join([
                 f"{job_id}\t{shard}\t{args.replace(BACKSLASH, ESCAPED)}\t"
-                f"{kwargs.replace(BACKSLASH, ESCAPED)}\t{tail}\n"
-                for job_id, shard, args, kwargs, _ in chunk
+                f"{kwargs.replace(BACKSLASH, ESCAPED)}\t{group}\t{tail}\n"
+                for job_id, shard, args, kwargs, _, group in chunk
             ]))
 
 

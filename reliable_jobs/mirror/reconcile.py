@@ -36,13 +36,14 @@ def rebuilt_job(row: Job, *, max_attempts: int, due_ms: int = 0,
     current MAX_PAYLOAD_BYTES is not applied again. The row's priority
     comes back with it (staff changes of it are mirrored onto the row), and
     so do its flow limits: ``flow`` (the backend's ``flow_of``) spells them
-    again from the task's options and the call.
+    again from the task's options and the call; its fair group comes back
+    too.
     """
     path = row.task_path
     text = payload.encode(path, tuple(row.args), dict(row.kwargs), max_bytes=max_bytes,
                           flow=None if flow is None else (lambda a, k: flow(path, a, k)))
     return NewJob(str(row.pk), text, max_attempts, due_ms=due_ms, attempts=row.attempts,
-                  gen=row.generation, priority=row.priority)
+                  gen=row.generation, priority=row.priority, group=row.fair_key)
 
 
 def grace_cutoff(using: str, grace_ms: int) -> datetime:

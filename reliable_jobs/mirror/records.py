@@ -75,9 +75,10 @@ class AttemptRecord:
 #: One new job's own values, as an enqueue hands them in: its id (a canonical
 #: UUID), its shard, its args and kwargs as JSON text (the payload's own,
 #: checked by :func:`payload.check_call`: no NUL, no lone surrogate, no
-#: control character left unescaped), and its unique key (None for a task
-#: without unique_for_ms).
-NewRow = tuple[str, int, str, str, str | None]
+#: control character left unescaped), its unique key (None for a task
+#: without unique_for_ms) and its fair group ('' for none; fairness.GROUP_RE
+#: otherwise, so no character COPY would have to escape).
+NewRow = tuple[str, int, str, str, str | None, str]
 
 
 def new_state(run_after: datetime | None, now: datetime) -> str:

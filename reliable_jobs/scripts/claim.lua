@@ -20,6 +20,15 @@
                              'run:' / 'held:' .. its wire name (include flow_limit)
   KEYS[13] holds      zset   wire name of a limit with a held list -> when
                              (ms) it may let a job go
+  KEYS[14] fair_bands zset   priorities (0 included) with a non-empty
+                             rotation (member and score: the priority)
+  KEYS[15] rota prefix string the rotation of priority p is KEYS[15] .. p:
+                             zset fair group -> place in the turn order
+                             ('' for p's plain list)
+  KEYS[16] group prefix string group g's list at priority p: KEYS[16] .. p
+                             .. ':' .. g
+  KEYS[17] turn       hash   p -> jobs the head of p's rotation took in its
+                             current turn
 
   ARGV[1] count     how many jobs to claim at most
   ARGV[2] lease_ms  lease length in milliseconds
@@ -39,6 +48,10 @@
   ARGV[6] queue_rate   the queue's rate limit: claims per window, 0 for none
   ARGV[7] queue_window_ms  the window of queue_rate in milliseconds
   ARGV[8] queue_cap    the queue's concurrency cap (its leases), 0 for none
+  ARGV[9] weights   the fair groups' weights, 'group=weight' joined by
+                    ',' ('' when none): a group takes that many jobs per
+                    turn of its priority's rotation; unlisted groups and
+                    the plain list take 1
 
   Flow control (docs/design.md): the queue's cap counts its leases, its rate
   a sliding log of claims, paced; allowance = min(count, cap - leases, the
@@ -57,6 +70,19 @@
   (queued) between the positive and the negative ones; a band found empty
   is taken off bands. Cost: O(bands in use), at most 201, never the queue's
   length.
+
+  Fair groups: within a priority, jobs that carry a fair group wait on
+  their group's list, and the priority's rotation (KEYS[15] .. p) lists the
+  groups with jobs waiting, '' standing for the plain list (band_push.lua
+  keeps it so). Taking n jobs from such a priority is weighted round robin:
+  the head group of the rotation gives up to its weight (less what it gave
+  already in this turn, KEYS[17]), then goes to the back; a group found
+  empty leaves the rotation. So one group's 100,000 jobs delay another's
+  by at most one turn of every group waiting. FIFO holds within a group.
+  The fair share across priorities (ARGV[4]) compares the job each
+  priority would give next. Cost: O(jobs taken + groups found empty) per
+  priority, each step O(log groups); a queue with no fair group takes
+  exactly the plain path above (plus one ZCARD).
 
   A copy of an id whose job is 'queued' at another priority than the band
   it came from (reprioritize.lua moved it and left this copy behind) is
@@ -94,16 +120,20 @@
               (see latency.lua), -1 when its hash holds no time
     dead      flat list: id, attempts, gen (jobs that had no attempt left)
     garbage   list of ids moved aside: no job hash, or a damaged one
-    remaining jobs left on queued and every band after the claim
-    banded   how many non-zero bands were in use when the claim began (0:
-             only priority 0 was waiting; a worker that never saw more
-             waits on this queue alone with BLMOVE)
+    remaining jobs left on queued and every band after the claim (a fair
+              group counts as 1 however many it holds: not 0 exactly when
+              jobs are left)
+    banded   how many non-zero bands, plus priorities with fair groups,
+             were in use when the claim began (0: only priority 0's plain
+             list was waiting; a worker that never saw more waits on this
+             queue alone with BLMOVE)
     hold_ms  -1, or, when this call did nothing because limits held every
              job it could reach, how long (ms) until one may let a job go
     hold_by_cap  1 when hold_ms is a cap's guess (a slot may free at any
              moment: an ack does not say so), 0 when it is a rate's time
   Errors: count, lease_ms, share_every or a queue limit not a whole number from 0 to 2^52,
-  or exhausted_class not a dotted path (nothing is written).
+  exhausted_class not a dotted path, or a fair weight not a whole number from 1
+  to 1000 (nothing is written).
 ]]
 local queued_key = KEYS[1]
 local leases_key = KEYS[2]
@@ -118,6 +148,10 @@ local strays_key = KEYS[10]
 local paused_key = KEYS[11]
 local flow_prefix = KEYS[12]
 local holds_key = KEYS[13]
+local fair_bands_key = KEYS[14]
+local rota_prefix = KEYS[15]
+local group_prefix = KEYS[16]
+local turn_key = KEYS[17]
 
 --- @include "wake_marker"
 
@@ -147,6 +181,17 @@ local queue_window_ms = whole(ARGV[7] or 0, 'queue_window_ms')
 local queue_cap = whole(ARGV[8] or 0, 'queue_cap')
 if type(exhausted_class) ~= 'string' or not string.match(exhausted_class, '^[%a_][%w_.]*$') then
   return redis.error_reply('ERR claim: exhausted_class must be a dotted class path')
+end
+
+-- Each listed group's weight; checked before anything is written.
+local weights = {}
+for group, weight in string.gmatch(ARGV[9] or '', '([^,=]+)=([^,]*)') do
+  local w = tonumber(weight)
+  if w == nil or w ~= math.floor(w) or w < 1 or w > 1000 then
+    return redis.error_reply('ERR claim: a fair weight must be a whole number from 1 to 1000, not '
+      .. string.sub(tostring(weight), 1, 40))
+  end
+  weights[group] = w
 end
 
 --- @include "band_of"
@@ -253,10 +298,97 @@ if count - #ids > 0 then
     end
   end
 end
--- Take up to n (>= 1) ids from the right of a band's list (queued for 0);
--- the loop below leases each one (or drops or buries it) before the script
--- ends; returns how many.
+-- Priorities whose jobs wait in fair groups (a set; empty for most queues).
+local grouped = {}
+local fair_count = redis.call('ZCARD', fair_bands_key)
+if fair_count > 0 then
+  for _, member in ipairs(redis.call('ZRANGE', fair_bands_key, 0, -1)) do
+    grouped[tonumber(member)] = true
+  end
+end
+
+-- The list of a member of band's rotation ('' is the band's plain list) and
+-- the head of it (the right end), or false when the rotation is empty.
+local function rota_head(band)
+  local head = redis.call('ZRANGE', rota_prefix .. band, 0, 0)
+  if #head == 0 then
+    return false
+  end
+  return head[1]
+end
+
+-- Take ids from the right of one list of band: the plain one for group ''.
+local function take_list(band, group, n)
+  local taken
+  if group ~= '' then
+    local member = band .. ':' .. group
+    taken = redis.call('LRANGE', group_prefix .. member, -n, -1)
+    if #taken > 0 then
+      redis.call('LTRIM', group_prefix .. member, 0, -#taken - 1)
+    end
+    return taken, #taken < n or redis.call('LLEN', group_prefix .. member) == 0
+  elseif band == 0 then
+    taken = redis.call('LRANGE', queued_key, -n, -1)
+    if #taken > 0 then
+      redis.call('LTRIM', queued_key, 0, -#taken - 1)
+    end
+    return taken, #taken < n or redis.call('LLEN', queued_key) == 0
+  end
+  taken = redis.call('LRANGE', band_prefix .. band, -n, -1)
+  if #taken > 0 then
+    redis.call('LTRIM', band_prefix .. band, 0, -#taken - 1)
+  end
+  return taken, #taken < n or redis.call('LLEN', band_prefix .. band) == 0
+end
+
+-- Weighted round robin over band's rotation: up to n ids, in turn order.
+local function take_fair(band, n)
+  local got = 0
+  local used = tonumber(redis.call('HGET', turn_key, band)) or 0
+  while got < n do
+    local group = rota_head(band)
+    if not group then
+      break
+    end
+    local weight = weights[group] or 1
+    local want = math.max(1, math.min(n - got, weight - used))
+    local taken, emptied = take_list(band, group, want)
+    for i = #taken, 1, -1 do
+      ids[#ids + 1] = taken[i]
+      if band ~= 0 then
+        came_from[#ids] = band
+      end
+    end
+    got = got + #taken
+    used = used + #taken
+    if emptied then
+      redis.call('ZREM', rota_prefix .. band, group)
+      used = 0
+    elseif used >= weight then
+      local last = redis.call('ZRANGE', rota_prefix .. band, -1, -1, 'WITHSCORES')
+      redis.call('ZADD', rota_prefix .. band, tonumber(last[2]) + 1, group)
+      used = 0
+    end
+  end
+  if used > 0 then
+    redis.call('HSET', turn_key, band, used)
+  else
+    redis.call('HDEL', turn_key, band)
+  end
+  if redis.call('ZCARD', rota_prefix .. band) == 0 then
+    redis.call('ZREM', fair_bands_key, band)
+    grouped[band] = nil
+  end
+  return got
+end
+
+-- Take up to n (>= 1) ids from the right of a band's list (queued for 0),
+-- or round robin from its fair groups; the loop below leases each one (or
+-- drops or buries it) before the script ends; returns how many.
 local function take(band, n)
+  if grouped[band] then
+    return take_fair(band, n)
+  end
   local taken
   if band == 0 then
     taken = redis.call('LRANGE', queued_key, -n, -1)
@@ -280,8 +412,34 @@ local function take(band, n)
   return #taken
 end
 
--- The id at the head (the right) of a band's list, or false when empty.
+-- The id at the head (the right) of a band's list, or false when empty;
+-- for a band with fair groups, the id its next take would give first.
 local function head_of(band)
+  if grouped[band] then
+    local group = rota_head(band)
+    while group do
+      local head
+      if group ~= '' then
+        local member = band .. ':' .. group
+        head = redis.call('LINDEX', group_prefix .. member, -1)
+      elseif band == 0 then
+        head = redis.call('LINDEX', queued_key, -1)
+      else
+        head = redis.call('LINDEX', band_prefix .. band, -1)
+      end
+      if head then
+        return head
+      end
+      -- A group left empty (a worker's BLMOVE took the plain list's last
+      -- id): out of the rotation, as a take would do.
+      redis.call('ZREM', rota_prefix .. band, group)
+      redis.call('HDEL', turn_key, band)
+      group = rota_head(band)
+    end
+    redis.call('ZREM', fair_bands_key, band)
+    grouped[band] = nil
+    return false
+  end
   if band == 0 then
     return redis.call('LINDEX', queued_key, -1)
   end
@@ -291,7 +449,7 @@ end
 local banded = redis.call('ZCARD', bands_key)
 local wanted = count - #ids
 local bands = nil
-if wanted > 0 and banded == 0 then
+if wanted > 0 and banded == 0 and fair_count == 0 then
   take(0, wanted)
 elseif wanted > 0 then
   -- Every band in use, highest first, band 0 (queued) among them.
@@ -307,7 +465,7 @@ elseif wanted > 0 then
   -- go to the job that waited longest, one at a time.
   local fair = 0
   local turn = 0
-  if share_every > 0 then
+  if share_every > 0 and #bands > 1 then
     turn = tonumber(redis.call('GET', share_key)) or 0
     fair = math.floor((turn + wanted) / share_every) - math.floor(turn / share_every)
   end
@@ -338,11 +496,11 @@ elseif wanted > 0 then
     got = got + take(band, wanted - got)
   end
   for _, band in ipairs(bands) do
-    if band ~= 0 and redis.call('LLEN', band_prefix .. band) == 0 then
+    if band ~= 0 and not grouped[band] and redis.call('LLEN', band_prefix .. band) == 0 then
       redis.call('ZREM', bands_key, band)
     end
   end
-  if share_every > 0 then
+  if share_every > 0 and #bands > 1 then
     redis.call('SET', share_key, (turn + got) % share_every)
   end
 end
@@ -438,6 +596,13 @@ for i = 1, #lease_args, 1000 do
 end
 
 local remaining = redis.call('LLEN', queued_key)
+for band in pairs(grouped) do
+  -- Each group waiting counts 1 (its length would cost a call per group).
+  remaining = remaining + redis.call('ZCARD', rota_prefix .. band)
+  if redis.call('ZSCORE', rota_prefix .. band, '') then
+    remaining = remaining - 1
+  end
+end
 if bands ~= nil then
   for _, band in ipairs(bands) do
     if band ~= 0 then
@@ -468,4 +633,4 @@ if #jobs == 0 and #dead == 0 and #garbage == 0 and held_moved == 0 then
     hold_by_cap = by_cap and 1 or 0
   end
 end
-return { jobs, dead, garbage, remaining, banded, hold_ms, hold_by_cap }
+return { jobs, dead, garbage, remaining, banded + fair_count, hold_ms, hold_by_cap }

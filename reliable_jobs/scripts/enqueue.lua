@@ -10,8 +10,11 @@
                              empty (member and score: the priority)
   KEYS[6] band prefix string the list of priority p is KEYS[6] .. p (p a
                              non-zero whole number from -100 to 100)
+  KEYS[7] fair_bands  zset   priorities with fair groups waiting (see claim.lua)
+  KEYS[8] rota prefix string the rotation of priority p is KEYS[8] .. p
+  KEYS[9] group prefix string group g's list at priority p: KEYS[9] .. p .. ':' .. g
 
-  ARGV, repeated in groups of seven, one group per job:
+  ARGV, repeated in groups of eight, one group per job:
     id            job id
     payload       JSON text
     max_attempts  integer >= 1
@@ -21,6 +24,10 @@
     gen           the job's generation: 0 when first enqueued, and one more
                   at every rebuild from the mirror (part of the fencing
                   token, so a holder from before a rebuild is refused)
+    priority      -100 to 100
+    group         the job's fair group, '' for none: the job waits on its
+                  group's list and takes turns with the other groups (see
+                  band_push.lua and claim.lua)
 
   A job whose hash already exists is never queued twice, so the on-commit
   push and a reconcile push of the same job can never run it twice. A
@@ -37,7 +44,7 @@
   or one of the same or a newer generation) is left alone.
 
   Returns: a list with 1 (written, or taken over) or 0 (left alone) per job.
-  Errors: ARGV not in groups of seven, a gen that is not a whole number
+  Errors: ARGV not in groups of eight, a gen that is not a whole number
   from 0 to 2^31 - 1, or a priority that is not a whole number from -100 to
   100 (nothing is written).
 ]]
@@ -47,17 +54,20 @@ local wake_key = KEYS[3]
 local job_prefix = KEYS[4]
 local bands_key = KEYS[5]
 local band_prefix = KEYS[6]
+local fair_bands_key = KEYS[7]
+local rota_prefix = KEYS[8]
+local group_prefix = KEYS[9]
 
 --- @include "wake_marker"
 
-if #ARGV % 7 ~= 0 then
-  return redis.error_reply('ERR enqueue: ARGV must come in groups of seven '
-    .. '(id, payload, max_attempts, due_ms, attempts, gen, priority)')
+if #ARGV % 8 ~= 0 then
+  return redis.error_reply('ERR enqueue: ARGV must come in groups of eight '
+    .. '(id, payload, max_attempts, due_ms, attempts, gen, priority, group)')
 end
 
 -- Every gen must be a whole number within the mirror's integer range, and
 -- every priority one within Django's, before anything is written.
-for i = 6, #ARGV, 7 do
+for i = 6, #ARGV, 8 do
   local gen = tonumber(ARGV[i])
   if gen == nil or gen ~= math.floor(gen) or gen < 0 or gen > 2147483647 then
     return redis.error_reply('ERR enqueue: gen must be a whole number from 0 to 2^31 - 1, not '
@@ -74,12 +84,14 @@ end
 
 --- @include "read_job"
 
+--- @include "band_push"
+
 local now = now_ms()
 
 local written = {}
 local ready = {}
 local banded = 0
-for i = 1, #ARGV, 7 do
+for i = 1, #ARGV, 8 do
   local job_id = ARGV[i]
   local job_key = job_prefix .. job_id
   local found, wrong_type = read_job(job_id, 'state', 'gen', 'attempts', 'max_attempts')
@@ -105,15 +117,15 @@ for i = 1, #ARGV, 7 do
   elseif free then
     local due_ms = tonumber(ARGV[i + 3]) or 0
     local priority = tonumber(ARGV[i + 6])
+    local group = ARGV[i + 7]
     local state = 'queued'
     if due_ms > now then
       state = 'scheduled'
       redis.call('ZADD', scheduled_key, due_ms, job_id)
-    elseif priority == 0 then
+    elseif priority == 0 and group == '' then
       ready[#ready + 1] = job_id
     else
-      redis.call('LPUSH', band_prefix .. priority, job_id)
-      redis.call('ZADD', bands_key, priority, priority)
+      push_band_behind(job_id, priority, group)
       banded = banded + 1
     end
     redis.call('HSET', job_key, 'state', state, 'payload', ARGV[i + 1],
@@ -121,6 +133,9 @@ for i = 1, #ARGV, 7 do
       'enqueued_ms', now)
     if priority ~= 0 then
       redis.call('HSET', job_key, 'priority', priority)
+    end
+    if group ~= '' then
+      redis.call('HSET', job_key, 'fair', group)
     end
     written[#written + 1] = 1
   else
@@ -131,6 +146,9 @@ end
 -- unpack() has a stack limit: push in chunks.
 for i = 1, #ready, 1000 do
   redis.call('LPUSH', queued_key, unpack(ready, i, math.min(i + 999, #ready)))
+end
+if #ready > 0 then
+  plain_joined(0)
 end
 if #ready + banded > 0 then
   push_wake_marker(wake_key)

@@ -9,6 +9,9 @@
   KEYS[6] job prefix  string job hashes are KEYS[6] .. id (same {queue} slot)
   KEYS[7] bands       zset   non-zero priorities with a non-empty band list
   KEYS[8] band prefix string the list of priority p is KEYS[8] .. p
+  KEYS[9] fair_bands  zset   priorities with fair groups waiting (see claim.lua)
+  KEYS[10] rota prefix string the rotation of priority p is KEYS[10] .. p
+  KEYS[11] group prefix string group g's list at priority p: KEYS[11] .. p .. ':' .. g
 
   ARGV, repeated in groups of five, one per failed attempt:
     id        job id
@@ -40,6 +43,9 @@ local wake_key = KEYS[5]
 local job_prefix = KEYS[6]
 local bands_key = KEYS[7]
 local band_prefix = KEYS[8]
+local fair_bands_key = KEYS[9]
+local rota_prefix = KEYS[10]
+local group_prefix = KEYS[11]
 
 --- @include "wake_marker"
 --- @include "fence"
@@ -77,7 +83,7 @@ for i = 1, #ARGV, 5 do
   local job_key = job_prefix .. job_id
   local delay_ms = delay_of(ARGV[i + 3])
   local error_text = ARGV[i + 4]
-  local job = read_job(job_id, 'state', 'attempts', 'gen', 'cancel', 'priority')
+  local job = read_job(job_id, 'state', 'attempts', 'gen', 'cancel', 'priority', 'fair')
   if holds(job, ARGV[i + 1], ARGV[i + 2]) then
     redis.call('ZREM', leases_key, job_id)
     if job[4] then
@@ -86,7 +92,7 @@ for i = 1, #ARGV, 5 do
       redis.call('ZADD', dead_key, now, job_id)
       redis.call('HSET', job_key, 'state', 'dead', 'finished_ms', now, 'last_error', error_text)
     elseif delay_ms == 0 then
-      push_band_behind(job_id, band_of(job[5]))
+      push_band_behind(job_id, band_of(job[5]), group_of(job[6]))
       redis.call('HSET', job_key, 'state', 'queued', 'last_error', error_text)
       queued_now = queued_now + 1
     else

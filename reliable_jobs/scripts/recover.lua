@@ -12,6 +12,9 @@
   KEYS[8] bands       zset   non-zero priorities with a non-empty band list
   KEYS[9] band prefix string the list of priority p is KEYS[9] .. p
   KEYS[10] strays     zset   id -> copies reprioritize.lua left on a band
+  KEYS[11] fair_bands  zset   priorities with fair groups waiting (see claim.lua)
+  KEYS[12] rota prefix string the rotation of priority p is KEYS[12] .. p
+  KEYS[13] group prefix string group g's list at priority p: KEYS[13] .. p .. ':' .. g
 
   ARGV[1] limit         expired leases handled per call at most
   ARGV[2] lease_ms      lease given to an id found on landing without one
@@ -101,6 +104,9 @@ local landing_key = KEYS[7]
 local bands_key = KEYS[8]
 local band_prefix = KEYS[9]
 local strays_key = KEYS[10]
+local fair_bands_key = KEYS[11]
+local rota_prefix = KEYS[12]
+local group_prefix = KEYS[13]
 
 --- @include "wake_marker"
 --- @include "fence"
@@ -217,7 +223,7 @@ for _, job_id in ipairs(expired) do
     local job_key = job_prefix .. job_id
     -- A key of another type under a job's name reads as a damaged hash: garbage.
     local job = read_job(job_id, 'state', 'attempts', 'max_attempts', 'started', 'gen',
-      'cancel', 'priority')
+      'cancel', 'priority', 'fair')
     local attempts = count_of(job[2], 0)
     local max_attempts = count_of(job[3], 1)
     local kind
@@ -234,7 +240,7 @@ for _, job_id in ipairs(expired) do
       kind = 'unstarted'
       max_attempts = math.min(max_attempts + 1, MAX_COUNT)
       redis.call('HSET', job_key, 'state', 'queued', 'max_attempts', max_attempts)
-      push_band_next(job_id, band_of(job[7]))
+      push_band_next(job_id, band_of(job[7]), group_of(job[8]))
       requeued = requeued + 1
     elseif job[1] == 'running' and attempts >= max_attempts then
       kind = 'dead'
@@ -245,7 +251,7 @@ for _, job_id in ipairs(expired) do
     elseif job[1] == 'running' or job[1] == 'queued' then
       if job[1] == 'running' then kind = 'expired' else kind = 'orphan' end
       redis.call('HSET', job_key, 'state', 'queued')
-      push_band_next(job_id, band_of(job[7]))
+      push_band_next(job_id, band_of(job[7]), group_of(job[8]))
       requeued = requeued + 1
     else
       kind = 'dropped'

@@ -7,6 +7,9 @@
   KEYS[4] job prefix  string job hashes are KEYS[4] .. id (same {queue} slot)
   KEYS[5] bands       zset   non-zero priorities with a non-empty band list
   KEYS[6] band prefix string the list of priority p is KEYS[6] .. p
+  KEYS[7] fair_bands  zset   priorities with fair groups waiting (see claim.lua)
+  KEYS[8] rota prefix string the rotation of priority p is KEYS[8] .. p
+  KEYS[9] group prefix string group g's list at priority p: KEYS[9] .. p .. ':' .. g
 
   ARGV, repeated in groups of four:
     id        job id
@@ -33,6 +36,9 @@ local wake_key = KEYS[3]
 local job_prefix = KEYS[4]
 local bands_key = KEYS[5]
 local band_prefix = KEYS[6]
+local fair_bands_key = KEYS[7]
+local rota_prefix = KEYS[8]
+local group_prefix = KEYS[9]
 
 --- @include "wake_marker"
 --- @include "fence"
@@ -60,7 +66,7 @@ local released = 0
 for i = 1, #ARGV, 4 do
   local job_id = ARGV[i]
   local job_key = job_prefix .. job_id
-  local job = read_job(job_id, 'state', 'attempts', 'gen', 'cancel', 'priority')
+  local job = read_job(job_id, 'state', 'attempts', 'gen', 'cancel', 'priority', 'fair')
   if holds(job, ARGV[i + 1], ARGV[i + 2])
       and job[4] then
     redis.call('ZREM', leases_key, job_id)
@@ -75,7 +81,7 @@ for i = 1, #ARGV, 4 do
     else
       redis.call('HSET', job_key, 'state', 'queued')
     end
-    push_band_next(job_id, band_of(job[5]))
+    push_band_next(job_id, band_of(job[5]), group_of(job[6]))
     released = released + 1
     results[#results + 1] = 1
   else

@@ -7,6 +7,9 @@
   KEYS[4] bands       zset   non-zero priorities with a non-empty band list
   KEYS[5] band prefix string the list of priority p is KEYS[5] .. p
   KEYS[6] strays      zset   id -> copies left behind on a band list
+  KEYS[7] fair_bands  zset   priorities with fair groups waiting (see claim.lua)
+  KEYS[8] rota prefix string the rotation of priority p is KEYS[8] .. p
+  KEYS[9] group prefix string group g's list at priority p: KEYS[9] .. p .. ':' .. g
 
   ARGV[1] id        job id
   ARGV[2] priority  the new priority, a whole number from -100 to 100
@@ -31,6 +34,9 @@ local job_prefix = KEYS[3]
 local bands_key = KEYS[4]
 local band_prefix = KEYS[5]
 local strays_key = KEYS[6]
+local fair_bands_key = KEYS[7]
+local rota_prefix = KEYS[8]
+local group_prefix = KEYS[9]
 
 --- @include "wake_marker"
 
@@ -47,7 +53,7 @@ end
 
 local job_id = ARGV[1]
 local job_key = job_prefix .. job_id
-local found = read_job(job_id, 'state', 'priority')
+local found = read_job(job_id, 'state', 'priority', 'fair')
 local state = found[1] or ''
 local old = band_of(found[2])
 if (state ~= 'queued' and state ~= 'scheduled') or old == priority then
@@ -59,7 +65,7 @@ else
   redis.call('HSET', job_key, 'priority', priority)
 end
 if state == 'queued' then
-  push_band_behind(job_id, priority)
+  push_band_behind(job_id, priority, group_of(found[3]))
   redis.call('ZINCRBY', strays_key, 1, job_id)
   push_wake_marker(wake_key)
 end

@@ -7,6 +7,9 @@
   KEYS[4] job prefix  string job hashes are KEYS[4] .. id (same {queue} slot)
   KEYS[5] bands       zset   non-zero priorities with a non-empty band list
   KEYS[6] band prefix string the list of priority p is KEYS[6] .. p
+  KEYS[7] fair_bands  zset   priorities with fair groups waiting (see claim.lua)
+  KEYS[8] rota prefix string the rotation of priority p is KEYS[8] .. p
+  KEYS[9] group prefix string group g's list at priority p: KEYS[9] .. p .. ':' .. g
 
   ARGV[1] id             job id
   ARGV[2] extra_attempts attempts added on top of those already spent
@@ -25,6 +28,9 @@ local wake_key = KEYS[3]
 local job_prefix = KEYS[4]
 local bands_key = KEYS[5]
 local band_prefix = KEYS[6]
+local fair_bands_key = KEYS[7]
+local rota_prefix = KEYS[8]
+local group_prefix = KEYS[9]
 
 --- @include "wake_marker"
 
@@ -57,6 +63,7 @@ redis.call('ZREM', dead_key, job_id)
 redis.call('HSET', job_key, 'state', 'queued', 'max_attempts', math.min(attempts + extra, MAX_COUNT),
   'ready_ms', now_ms())
 redis.call('HDEL', job_key, 'finished_ms')
-push_band_behind(job_id, band_of(redis.call('HGET', job_key, 'priority')))
+push_band_behind(job_id, band_of(redis.call('HGET', job_key, 'priority')),
+  group_of(redis.call('HGET', job_key, 'fair')))
 push_wake_marker(wake_key)
 return 1

@@ -25,6 +25,12 @@ def add(a: int, b: int) -> int:
     return a + b
 
 
+@task(fair_key="tenant")
+def tenant_add(tenant: str | None, a: int, b: int) -> int:
+    """``add`` for one tenant: jobs of different tenants take turns (fair shares)."""
+    return a + b
+
+
 @task
 def sleep_for(seconds: float) -> float:
     """Sleep, then return ``seconds``: a job that is still RUNNING when a worker is killed."""
