@@ -44,7 +44,7 @@ def insert_row(*, task_path: str, queue: str = "default", backend: str = "defaul
     new = mirror.NewJobs.at(enqueued_at or timezone.now(), backend=backend, queue=queue,
                             task_path=task_path, priority=0, max_attempts=max_attempts,
                             run_after=run_after, rows=[(job_id := new_job_id(), shard, "[]",
-                                                         "{}", None)])
+                                                         "{}", None, "")])
     if state is not None:
         new = replace(new, state=state)
     mirror.insert_jobs(database, new)

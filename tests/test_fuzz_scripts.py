@@ -150,8 +150,8 @@ def script_keys(broker: Broker, name: str) -> list[str]:
     """The KEYS a script's header declares, as the broker would pass them for queue Q."""
     header = re.match(r"--\[\[(.*?)\]\]", scripts.source(name), flags=re.DOTALL)
     assert header
-    names = re.findall(r"^\s*KEYS\[\d+\]\s+(job prefix|band prefix|flow prefix|\w+)",
-                       header.group(1),
+    prefixes = "job prefix|band prefix|flow prefix|rota prefix|group prefix"
+    names = re.findall(rf"^\s*KEYS\[\d+\]\s+({prefixes}|\w+)", header.group(1),
                        flags=re.MULTILINE)
     keys = broker.keys(Q)
     return [getattr(keys, n.replace(" ", "_")) for n in names]

@@ -224,24 +224,24 @@ def measure_floor(backend: ReliableJobsBackend, queue: str, *, samples: int) -> 
     # The statement and values of a single enqueue's INSERT (mirror.insert_jobs
     # of one row), built once: what is left per job is the driver's round trip.
     sql = mirror.postgres.insert_sql(new.shared(), 1, keyed=False)
-    rest = (0, "[]", "{}", now.isoformat())
+    rest = (0, "[]", "{}", "", now.isoformat())  # shard, args, kwargs, fair group, enqueued_at
     text = payload.encode(task.module_path, (), {}, max_bytes=backend.config.MAX_PAYLOAD_BYTES)
     client = backend.broker.client
     keys = backend.broker.keys(FLOOR_QUEUE)
     script = client.register_script(scripts.source("enqueue"))
-    script(keys=(keys.queued, keys.scheduled, keys.wake, keys.job_prefix, keys.bands,
-                 keys.band_prefix), args=())  # loads it, so every timed call is one EVALSHA
+    script_keys = (keys.queued, keys.scheduled, keys.wake, keys.job_prefix, keys.bands,
+                   keys.band_prefix, *keys.fair)
+    script(keys=script_keys, args=())  # loads it, so every timed call is one EVALSHA
     ids = [uuid.uuid4() for _ in range(samples)]
     connection.ensure_connection()
     raw = connection.connection
-    script_keys = (6, keys.queued, keys.scheduled, keys.wake, keys.job_prefix, keys.bands,
-                   keys.band_prefix)
     try:
         with raw.cursor() as cursor:
             started = time.perf_counter()
             for job_id in ids:
                 cursor.execute(sql, (job_id, *rest))
-                client.evalsha(script.sha, *script_keys, str(job_id), text, 1, 0, 0, 0, 0)
+                client.evalsha(script.sha, len(script_keys), *script_keys,
+                               str(job_id), text, 1, 0, 0, 0, 0, "")
             elapsed = time.perf_counter() - started
     finally:
         delete_rows(backend, queue=FLOOR_QUEUE)

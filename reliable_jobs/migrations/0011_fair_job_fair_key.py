@@ -1,5 +1,5 @@
 # Each job keeps its fair group (fairness.py) so a rebuild from the mirror puts it back
-# in its group. Numbered 0015 (the number this branch was given); it follows main's last.
+# in its group.
 
 from django.db import migrations, models
 
@@ -7,7 +7,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ("reliable_jobs", "0013_speed_mirror_writes"),
+        ("reliable_jobs", "0010_speed_mirror_writes"),
     ]
 
     operations = [
