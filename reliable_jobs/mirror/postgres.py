@@ -28,6 +28,7 @@ from django.db.backends.utils import CursorWrapper
 
 from ..faults import stop_point
 from ..models import UNFINISHED_STATES, Attempt, Job
+from . import dependencies
 from .records import (
     ABANDONED_ERROR,
     RAN_OUTCOMES,
@@ -35,6 +36,7 @@ from .records import (
     NewJobs,
     NewRow,
     chunks,
+    ended_ids,
     mark_cancelled_attempts,
 )
 
@@ -340,6 +342,8 @@ def write_batch(using: str, merged: Sequence[AttemptRecord],
                                              _joined_text([r.job_id for r in retried]),
                                              _joined_ints([r.attempt for r in retried]),
                                              _joined_ints([r.gen for r in retried])])
+        # Workflows: the dependents of the jobs this batch ended, in this transaction.
+        dependencies.settle(using, ended_ids(jobs))
 
 
 class _Columns:

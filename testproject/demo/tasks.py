@@ -165,3 +165,9 @@ def leave_a_thread(seconds: float) -> None:
 
     threading.Thread(target=time.sleep, args=(seconds,), name="left-by-a-task",
                      daemon=False).start()  # not inherited from the daemon executor thread
+
+
+@task
+def total(values: list[Any], extra: int = 0) -> int:
+    """Sum ``values`` (a chord's results) plus ``extra``: a workflow's fan-in step."""
+    return sum(v for v in values if isinstance(v, int)) + extra
