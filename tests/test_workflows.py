@@ -233,3 +233,30 @@ def test_a_unique_task_cannot_join_a_workflow(rj_settings: Any) -> None:
         chain(demo.add.s(1, 1), report.s(1)).enqueue()
     assert not Job.objects.exists()
     assert not Dependency.objects.exists()
+
+
+def test_a_cancelled_dependent_stays_cancelled_when_its_other_dependencies_succeed(
+        rj_settings: Any) -> None:
+    # Given: a chord whose first member dies (the callback is cancelled)
+    flow = chord(group(demo.add.s(1, 1), demo.add.s(2, 2)), demo.total.s().with_results()
+                 ).enqueue()
+    a, b, callback = flow.results
+    mirror.bury("default", a.id, attempts=1, gen=0, error="RuntimeError: boom")
+    assert state(callback) == JobState.CANCELLED
+
+    # When: the other member succeeds, settling the callback's last edge
+    succeed(b.id, 4)
+
+    # Then: the callback is not brought back to run
+    assert state(callback) == JobState.CANCELLED
+    assert workflows.progress(flow.id)["failed"] == 2
+
+
+def test_a_workflow_rolled_back_leaves_nothing(rj_settings: Any,
+                                               redis_client: redis.Redis) -> None:
+    with pytest.raises(RuntimeError), transaction.atomic():
+        chord(group(*(demo.add.s(i, i) for i in range(50))), demo.total.s()).enqueue()
+        raise RuntimeError("rolled back")
+    assert not Job.objects.exists() and not Dependency.objects.exists()
+    assert not Workflow.objects.exists()
+    assert redis_client.llen(QUEUED) == 0
