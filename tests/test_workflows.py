@@ -260,3 +260,20 @@ def test_a_workflow_rolled_back_leaves_nothing(rj_settings: Any,
     assert not Job.objects.exists() and not Dependency.objects.exists()
     assert not Workflow.objects.exists()
     assert redis_client.llen(QUEUED) == 0
+
+
+def test_a_chord_callback_waits_for_its_last_member(rj_settings: Any,
+                                                    redis_client: redis.Redis) -> None:
+    # Given: a chord of three, its members ending one write at a time
+    flow = chord(group(demo.add.s(1, 0), demo.add.s(2, 0), demo.add.s(3, 0)),
+                 demo.total.s().with_results()).enqueue()
+    *members, callback = flow.results
+
+    # When / Then: the callback waits until the last member's write, not one before
+    for done, member in enumerate(members, 1):
+        assert state(callback) == JobState.WAITING
+        assert Job.objects.get(pk=callback.id).waiting_for == 3 - (done - 1)
+        succeed(member.id, done)
+    row = Job.objects.get(pk=callback.id)
+    assert (row.state, row.args) == (JobState.QUEUED, [[1, 2, 3]])
+    assert callback.id in redis_client.lrange(QUEUED, 0, -1)
