@@ -147,9 +147,26 @@ def settle(using: str, job_ids: Iterable[str]) -> list[str]:
     return released
 
 
+#: _mark_edges on PostgreSQL: one statement for every edge of a batch, the
+#: result copied from the upstream's row (or its failure, as a JSON object).
+MARK_EDGES = f"""
+UPDATE {Dependency._meta.db_table} AS d SET state = j.state,
+    result = CASE WHEN d.passes = 0 THEN NULL
+                  WHEN j.state = 'succeeded' THEN j.return_value
+                  ELSE jsonb_build_object('failed', j.state, 'job', j.id::text,
+                                          'error', j.last_error) END
+FROM {Job._meta.db_table} AS j
+WHERE d.id = ANY(%s) AND d.upstream_id = j.id AND d.state = ''
+"""
+
+
 def _mark_edges(using: str, settled: list[tuple[Any, ...]],
                 ended: dict[str, tuple[str, Any, str]]) -> None:
     """Write each settled edge's state, and the result its dependent takes (if it passes one)."""
+    if connections[using].vendor == "postgresql":
+        with connections[using].cursor() as cursor:
+            cursor.execute(MARK_EDGES, [[edge[0] for edge in settled]])
+        return
     deps = Dependency.objects.using(using)
     plain: dict[str, list[Any]] = defaultdict(list)
     for pk, _, upstream, _, passes in settled:
