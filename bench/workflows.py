@@ -179,7 +179,7 @@ def lag(members: int, runs: int, timeout: float) -> None:
         workers.start("runworker", "--concurrency", "4")
         for _ in range(runs):
             callback, ids = enqueue_chord(members)
-            if not wait(lambda: callback_done(callback), timeout):
+            if not wait(lambda c=callback: callback_done(c), timeout):
                 raise SystemExit(f"the callback did not finish within {timeout} s")
             last = Job.objects.filter(pk__in=ids).aggregate(
                 finished=Max("finished_at"), written=Max("updated_at"))
@@ -197,51 +197,54 @@ def lag(members: int, runs: int, timeout: float) -> None:
               f"max {values[-1] * 1000:.0f} ms")
 
 
-def chaos(members: int, runs: int, kill_every: float, flush: bool, timeout: float) -> None:
+def chaos_run(members: int, kill_every: float, flush: bool, timeout: float) -> bool:
+    """One chaos run of a chord; print what became of it, and whether it is whole."""
     from reliable_jobs.compat import task_backends
     from reliable_jobs.models import Attempt, Job, JobState
 
-    client = task_backends["default"].broker.client
-    failures = 0
-    for run in range(runs):
-        reset()
-        workers = Workers()
-        kills = flushed = 0
-        try:
-            pool = [workers.start("runworker", "--concurrency", "2") for _ in range(2)]
-            workers.start("recoverjobs", "--interval", "0.5")
-            callback, ids = enqueue_chord(members)
-            began, next_kill = time.monotonic(), time.monotonic() + kill_every
-            flush_at = began + random.uniform(0.5, 3.0) if flush else None
+    reset()
+    workers = Workers()
+    kills = flushed = 0
+    try:
+        pool = [workers.start("runworker", "--concurrency", "2") for _ in range(2)]
+        workers.start("recoverjobs", "--interval", "0.5")
+        callback, ids = enqueue_chord(members)
+        began = time.monotonic()
+        next_kill = began + kill_every
+        flush_at = began + random.uniform(0.5, 3.0) if flush else None
 
-            def tick() -> None:
-                nonlocal next_kill, kills, flush_at, flushed
-                now = time.monotonic()
-                if now >= next_kill:
-                    victim = random.choice(pool)
-                    workers.kill(victim)
-                    pool.remove(victim)
-                    pool.append(workers.start("runworker", "--concurrency", "2"))
-                    kills += 1
-                    next_kill = now + kill_every
-                if flush_at is not None and now >= flush_at:
-                    client.flushdb()
-                    flushed, flush_at = flushed + 1, None
+        def tick() -> None:
+            nonlocal next_kill, kills, flush_at, flushed
+            now = time.monotonic()
+            if now >= next_kill:
+                victim = random.choice(pool)
+                workers.kill(victim)
+                pool.remove(victim)
+                pool.append(workers.start("runworker", "--concurrency", "2"))
+                kills += 1
+                next_kill = now + kill_every
+            if flush_at is not None and now >= flush_at:
+                task_backends["default"].broker.client.flushdb()
+                flushed, flush_at = flushed + 1, None
 
-            finished = wait(lambda: callback_done(callback), timeout, tick)
-        finally:
-            workers.stop_all()
-        lost = Job.objects.filter(pk__in=ids).exclude(state=JobState.SUCCEEDED).count()
-        row = Job.objects.get(pk=callback)
-        started = Attempt.objects.filter(job=row, started_at__isnull=False).count()
-        exact = row.args == [list(range(members))]
-        ok = finished and lost == 0 and row.state == JobState.SUCCEEDED and exact
-        failures += not ok
-        print(f"run {run + 1}: {members} members, {kills} SIGKILLs, {flushed} FLUSHDB; "
-              f"members lost {lost}; callback {row.state}, attempts started {started}, "
-              f"results exactly once {exact}; {'ok' if ok else 'FAILED'}", flush=True)
-    print(f"{runs - failures} of {runs} chaos runs ok")
-    if failures:
+        finished = wait(lambda: callback_done(callback), timeout, tick)
+    finally:
+        workers.stop_all()
+    lost = Job.objects.filter(pk__in=ids).exclude(state=JobState.SUCCEEDED).count()
+    row = Job.objects.get(pk=callback)
+    started = Attempt.objects.filter(job=row, started_at__isnull=False).count()
+    exact = row.args == [list(range(members))]
+    ok = finished and lost == 0 and row.state == JobState.SUCCEEDED and exact
+    print(f"{members} members, {kills} SIGKILLs, {flushed} FLUSHDB; members lost {lost}; "
+          f"callback {row.state}, attempts started {started}, results exactly once {exact}; "
+          f"{'ok' if ok else 'FAILED'}", flush=True)
+    return ok
+
+
+def chaos(members: int, runs: int, kill_every: float, flush: bool, timeout: float) -> None:
+    ok = sum(chaos_run(members, kill_every, flush, timeout) for _ in range(runs))
+    print(f"{ok} of {runs} chaos runs ok")
+    if ok < runs:
         raise SystemExit(1)
 
 

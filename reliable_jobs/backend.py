@@ -42,7 +42,7 @@ from .compat import (
 )
 from .flow import Limits, TaskFlow, task_flow
 from .keys import is_valid_queue_name
-from .newjobs import Calls, NewJobsBuilder, push_on_commit, unique_rule
+from .newjobs import Calls, NewJobsBuilder, Results, push_on_commit, unique_rule
 from .parts import BackendParts, task_option
 from .reachability import ensure_reachable
 from .results import job_result
@@ -170,40 +170,28 @@ class ReliableJobsBackend(BaseTaskBackend):
             return self._enqueue(task, calls, trace)
 
     def enqueue_workflow(self, plan: Plan, *, name: str = "") -> WorkflowHandle:
-        """Enqueue a compiled workflow (``canvas.chain`` and friends) in one transaction."""
-        self._raise_if_misconfigured()
-        from .workflows import enqueue_plan  # same layer; see the module docstring
-
+        """Enqueue a compiled workflow (``canvas.chain`` ...) in one transaction."""
+        from .workflows import enqueue_plan  # same layer, as below
         return enqueue_plan(self, plan, name=name)
 
-    def _enqueue(self, task: Task[..., Any], calls: Calls,
-                 trace: str | None, *, waiting_for: int = 0,
-                 workflow_id: str | None = None) -> list[TaskResult[..., Any]]:
-        """The one enqueue: rows into the mirror, pushes on commit, results, signals.
-
-        A task made to wait (``task.using(after=[...])``) goes through the
-        workflows' path, which calls this again with ``waiting_for``: its
-        jobs are inserted waiting, and not pushed.
-        """
+    def _enqueue(self, task: Task[..., Any], calls: Calls, trace: str | None, *,
+                 waiting_for: int = 0, workflow_id: str | None = None) -> Results:
+        """The one enqueue: rows into the mirror, pushes on commit, results, signals."""
         self._raise_if_misconfigured()  # first: E009 before any model import
         if getattr(task, "after", ()) and not waiting_for:
             from .workflows import enqueue_after  # same layer; see the module docstring
-
             return enqueue_after(self, task, calls, trace)
         self.validate_task(task)
         ensure_reachable(task)
         from . import mirror  # not at module level: see the module docstring
 
         rule = unique_rule(task, self.database, self.broker)
-        if rule is not None and (waiting_for or workflow_id):
-            raise InvalidTask("A unique task (unique_for_ms) cannot be part of a workflow.")
         build = NewJobsBuilder(
             task, calls, alias=self.alias, now=timezone.now(), trace=trace,
             max_attempts=self.task_option(task, "max_attempts"), keyed=rule is not None,
-            max_bytes=self.config.MAX_PAYLOAD_BYTES,
-            shards=self.config.SHARDS.get(task.queue_name, 1),
-            flow=self.task_flow(task, task.module_path), waiting_for=waiting_for,
-            workflow_id=workflow_id)
+            max_bytes=self.config.MAX_PAYLOAD_BYTES, waiting_for=waiting_for,
+            shards=self.config.SHARDS.get(task.queue_name, 1), workflow_id=workflow_id,
+            flow=self.task_flow(task, task.module_path))
         rows: Iterable[NewRow] = build.rows()
         if rule is not None or len(calls) == 1:
             rows = list(rows)  # every call checked (and keyed) before the first write

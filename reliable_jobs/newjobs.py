@@ -37,6 +37,9 @@ NEW_JOB_STATUS = TaskResultStatus.READY
 #: Calls of one task, as ``enqueue_many`` takes them.
 Calls = Sequence[tuple[Sequence[Any], dict[str, Any]]]
 
+#: What an enqueue returns: one result per call, in the calls' order.
+type Results = list[TaskResult[..., Any]]
+
 #: Jobs one push script call takes at most.
 PUSH_CHUNK = 1000
 

@@ -50,7 +50,9 @@ def enqueue_plan(backend: ReliableJobsBackend, plan: Plan, *, name: str = "") ->
     Nodes are inserted by bucket, (task, jobs waited for), each bucket one
     bulk enqueue, so a group of 10,000 calls of one task costs one COPY.
     """
+    backend._raise_if_misconfigured()  # E009 before a model is touched
     for node in plan.nodes:
+        _check_joins(node.call.task)
         if node.call.task.backend != backend.alias:
             raise InvalidTask("Every job of a workflow must use the same backend "
                               f"({backend.alias!r}), not {node.call.task.backend!r}.")
@@ -83,6 +85,7 @@ def enqueue_after(backend: ReliableJobsBackend, task: Task[..., Any], calls: Cal
     inserted waiting, their edges written, then settled at once against
     the upstreams that ended already (all succeeded: they are queued now).
     """
+    _check_joins(task)
     after: Sequence[str] = task.after  # type: ignore[attr-defined]  # a ReliableTask's
     passes = PASS_LIST if getattr(task, "pass_results", False) else PASS_NO
     policy = getattr(task, "on_failure", "cancel")
@@ -99,6 +102,14 @@ def enqueue_after(backend: ReliableJobsBackend, task: Task[..., Any], calls: Cal
                                     for position, upstream in enumerate(after)])
         dependencies.settle(database, upstreams)
     return results
+
+
+def _check_joins(task: Task[..., Any]) -> None:
+    """Refuse a task that cannot wait in a workflow: a unique one (its key would be
+    held by a waiting row, which the unique index does not count)."""
+    if getattr(task, "unique_for_ms", None) is not None:
+        raise InvalidTask(f"Task {task.module_path} is unique (unique_for_ms): it cannot be "
+                          "part of a workflow.")
 
 
 def push_released(sender: Any, *, using: str, job_ids: Sequence[str], **kwargs: Any) -> None:
