@@ -211,7 +211,7 @@ def chaos_run(members: int, kill_every: float, flush: bool, timeout: float) -> b
         callback, ids = enqueue_chord(members)
         began = time.monotonic()
         next_kill = began + kill_every
-        flush_at = began + random.uniform(0.5, 3.0) if flush else None
+        flush_at = began + random.uniform(0.3, 1.5) if flush else None
 
         def tick() -> None:
             nonlocal next_kill, kills, flush_at, flushed

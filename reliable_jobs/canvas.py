@@ -1,4 +1,4 @@
-"""Workflow builders: ``chain``, ``group`` and ``chord`` of task calls, as plain data.
+"""Workflow builders: ``chain``, ``group``, ``chord`` and ``DAG`` of task calls, as plain data.
 
 A :class:`Signature` is one call not enqueued yet (``task.s(*args,
 **kwargs)``); the builders combine them, and ``.enqueue()`` hands the whole
@@ -144,8 +144,41 @@ def chord(header: Group | Sequence[Part], callback: Signature) -> Chain:
     return Chain((members, callback))
 
 
-def compile_plan(part: Part) -> Plan:
+class DAG:
+    """Any acyclic graph, by hand: each call added after the calls it waits for.
+
+    ``dag.add(call, after=[i, j])`` returns the new call's index; ``after``
+    names calls added before it, so the graph cannot hold a cycle. A call
+    made ``.with_results()`` receives the list of its upstreams' results,
+    in ``after``'s order.
+    """
+
+    def __init__(self) -> None:
+        self.nodes: list[Node] = []
+
+    def add(self, call: Signature, after: Sequence[int] = ()) -> int:
+        """Add ``call``, waiting for the calls at indexes ``after``; its index."""
+        if not isinstance(call, Signature):
+            raise InvalidTask("A DAG is made of task.s(...) calls.")
+        for upstream in after:
+            if not 0 <= upstream < len(self.nodes):
+                raise InvalidTask(f"after= names call {upstream}, which was not added before.")
+        mode = PASS_LIST if call.results else PASS_NO
+        self.nodes.append(Node(call, tuple(
+            (upstream, mode, position) for position, upstream in enumerate(dict.fromkeys(after)))))
+        return len(self.nodes) - 1
+
+    def enqueue(self, *, name: str = "") -> WorkflowHandle:
+        """Enqueue every job of the graph in one transaction (results in ``add`` order)."""
+        return _enqueue(self, name)
+
+
+def compile_plan(part: Part | DAG) -> Plan:
     """The nodes of ``part``, upstreams before the jobs that wait for them."""
+    if isinstance(part, DAG):
+        if not part.nodes:
+            raise InvalidTask("A workflow needs at least one job.")
+        return Plan(list(part.nodes))
     plan = Plan()
     plan.add(part, [], PASS_LIST)
     if not plan.nodes:
@@ -166,7 +199,7 @@ class WorkflowHandle:
         return self.results[-1]
 
 
-def _enqueue(part: Part, name: str) -> WorkflowHandle:
+def _enqueue(part: Part | DAG, name: str) -> WorkflowHandle:
     """Compile ``part`` and give it to the backend of its first task."""
     plan = compile_plan(part)
     backend = task_backends[plan.nodes[0].call.task.backend]

@@ -9,6 +9,7 @@ played with real concurrent transactions.
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from typing import Any
@@ -18,7 +19,7 @@ import redis
 from django.db import connections, transaction
 
 from reliable_jobs import mirror, staff, workflows
-from reliable_jobs.canvas import chain, chord, group
+from reliable_jobs.canvas import DAG, chain, chord, group
 from reliable_jobs.compat import InvalidTask, task_backends
 from reliable_jobs.mirror import AttemptRecord
 from reliable_jobs.models import Dependency, Job, JobState, Workflow
@@ -277,3 +278,64 @@ def test_a_chord_callback_waits_for_its_last_member(rj_settings: Any,
     row = Job.objects.get(pk=callback.id)
     assert (row.state, row.args) == (JobState.QUEUED, [[1, 2, 3]])
     assert callback.id in redis_client.lrange(QUEUED, 0, -1)
+
+
+def test_a_callback_on_completion_runs_after_every_member_ended_with_the_failures_visible(
+        rj_settings: Any) -> None:
+    # Given: a batch whose second member fails for good, and a callback that
+    # runs once every member has ended, whatever the outcome ("run" policy)
+    flow = chord(group(demo.add.s(1, 1), demo.give_up.s("no"), demo.add.s(2, 2)),
+                 demo.total.s(extra=100).with_results().if_failed("run")).enqueue()
+
+    # When
+    drain_here()
+
+    # Then: the callback ran once, the dead member's place holding its failure
+    callback = Job.objects.get(pk=flow.last.id)
+    assert callback.state == JobState.SUCCEEDED
+    ok, failed, ok_too = callback.args[0]
+    assert (ok, ok_too) == (2, 4)
+    assert failed["failed"] == "dead" and failed["job"] == flow.results[1].id
+    assert "no" in failed["error"]
+    assert callback.return_value == 106
+    assert workflows.progress(flow.id) == {"succeeded": 3, "dead": 1, "total": 4, "done": 3,
+                                           "failed": 1}
+
+
+def test_a_random_dag_runs_each_job_once_after_all_its_dependencies(rj_settings: Any) -> None:
+    # Given: 120 jobs in layers up to 12 wide, each waiting for up to 4 earlier ones
+    rng = random.Random(25)
+    dag, waits = DAG(), {}
+    layer = [dag.add(demo.add.s(0, 0))]
+    for _ in range(12):
+        width = rng.randint(1, 12)
+        new_layer = []
+        for _ in range(width):
+            after = rng.sample(layer, min(len(layer), rng.randint(1, 4)))
+            index = dag.add(demo.total.s(extra=1).with_results(), after=after)
+            waits[index] = after
+            new_layer.append(index)
+        layer = new_layer + rng.sample(layer, min(len(layer), 2))
+    flow = dag.enqueue(name="random")
+    assert len(flow.results) == len(dag.nodes)
+
+    # When
+    drain_here()
+
+    # Then: every job succeeded once, each started after all it waits for ended
+    rows = {str(row.pk): row for row in Job.objects.all()}
+    ids = [r.id for r in flow.results]
+    assert all(rows[i].state == JobState.SUCCEEDED for i in ids)
+    for index, after in waits.items():
+        row = rows[ids[index]]
+        assert row.attempt_set.count() == 1
+        for upstream in after:
+            assert row.started_at >= rows[ids[upstream]].finished_at
+        assert row.args[0] == [rows[ids[u]].return_value for u in after]
+
+
+def test_a_dag_refuses_a_call_waiting_for_one_not_added_yet() -> None:
+    dag = DAG()
+    dag.add(demo.add.s(1, 1))
+    with pytest.raises(InvalidTask):
+        dag.add(demo.add.s(2, 2), after=[1])
