@@ -21,6 +21,7 @@ from django.db import connections, transaction
 from reliable_jobs import mirror, staff, workflows
 from reliable_jobs.canvas import DAG, chain, chord, group
 from reliable_jobs.compat import InvalidTask, task_backends
+from reliable_jobs.jobids import short_id
 from reliable_jobs.mirror import AttemptRecord
 from reliable_jobs.models import Dependency, Job, JobState, Workflow
 from reliable_jobs.sweep import Sweep
@@ -339,3 +340,25 @@ def test_a_dag_refuses_a_call_waiting_for_one_not_added_yet() -> None:
     dag.add(demo.add.s(1, 1))
     with pytest.raises(InvalidTask):
         dag.add(demo.add.s(2, 2), after=[1])
+
+
+def test_the_admin_shows_a_workflows_progress_and_what_each_job_waits_for(
+        rj_settings: Any, admin_client: Any) -> None:
+    # Given: a chord of two whose first member succeeded
+    flow = chord(group(demo.add.s(1, 1), demo.add.s(2, 2)), demo.total.s().with_results()
+                 ).enqueue(name="nightly")
+    a, b, callback = flow.results
+    succeed(a.id, 2)
+
+    # When staff open the workflow list, its page, and its jobs
+    listing = admin_client.get("/admin/reliable_jobs/workflow/").content.decode()
+    page = admin_client.get(f"/admin/reliable_jobs/workflow/{flow.id}/change/").content.decode()
+    jobs = admin_client.get(f"/admin/reliable_jobs/job/?workflow__id__exact={flow.id}")
+
+    # Then: its name and progress, each job with its state and what it waits for
+    assert "nightly" in listing
+    assert "rj-state-waiting" in page and "rj-state-succeeded" in page
+    waits = page[page.index("after "):]
+    assert short_id(a.id) in waits and short_id(b.id) in waits
+    assert jobs.status_code == 200
+    assert short_id(callback.id) in jobs.content.decode()

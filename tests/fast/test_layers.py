@@ -43,7 +43,8 @@ LAYERS: dict[str, int] = {
     # 5 web: admin, dashboard, views, health and metrics endpoints.
     "reliable_jobs.admin": 5, "reliable_jobs.adminparts": 5, "reliable_jobs.changelist": 5,
     "reliable_jobs.dashboard": 5, "reliable_jobs.flowstats": 5,
-    "reliable_jobs.taskpage": 5, "reliable_jobs.schedule_admin": 5, "reliable_jobs.health": 5,
+    "reliable_jobs.taskpage": 5, "reliable_jobs.schedule_admin": 5,
+    "reliable_jobs.workflow_admin": 5, "reliable_jobs.health": 5,
     "reliable_jobs.metrics": 5, "reliable_jobs.urls": 5,
     # 6 ops: checks, management commands, app config, the verification app.
     "reliable_jobs.checks": 6, "reliable_jobs.management": 6, "reliable_jobs.apps": 6,
