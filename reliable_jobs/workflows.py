@@ -36,6 +36,7 @@ from .faults import crash_point
 from .jobids import new_job_id
 from .mirror import dependencies, rebuilt_job
 from .models import Job, JobState, Workflow
+from .newjobs import PUSH_CHUNK
 
 if TYPE_CHECKING:
     from .backend import ReliableJobsBackend
@@ -130,10 +131,12 @@ def push_released(sender: Any, *, using: str, job_ids: Sequence[str], **kwargs: 
     for (alias, queue), jobs in by_queue.items():
         try:
             backend = find_backend(alias)
-            backend.broker.enqueue(queue, [rebuilt_job(
+            pushes = [rebuilt_job(
                 row, max_attempts=row.max_attempts, flow=backend.parts.flow_of,
                 due_ms=epoch_ms(row.run_after) if row.run_after and row.run_after > now else 0)
-                for row in jobs])
+                for row in jobs]
+            for start in range(0, len(pushes), PUSH_CHUNK):  # as an enqueue pushes
+                backend.broker.enqueue(queue, pushes[start:start + PUSH_CHUNK])
         except Exception as exc:
             logger.warning(
                 "Could not push %d job(s) released by their dependencies to queue %r (%s); "
