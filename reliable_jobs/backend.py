@@ -51,6 +51,7 @@ from .tasks import ReliableTask, lookup, rebuilt_flow
 
 if TYPE_CHECKING:
     from .mirror import NewRow
+    from .mirror.journal import JobProgress
     from .models import Job
     from .staff import StaffResult
 
@@ -225,6 +226,23 @@ class ReliableJobsBackend(BaseTaskBackend):
             raise TaskResultDoesNotExist(result_id) from None
         return job_result(job, self._task_for(job), backend=self.alias,
                           attempts=list(job.attempt_set.all()))
+
+    def get_progress(self, result_id: str) -> JobProgress:
+        """The progress and checkpoint a job's task last reported (``context.progress()``).
+
+        Django's ``TaskResult`` has no place for it, so it is read beside
+        ``get_result()``: ``backend.get_progress(result.id).fraction``.
+        """
+        from .mirror.journal import progress_of
+
+        try:
+            job_id = uuid.UUID(str(result_id))
+        except ValueError:
+            raise TaskResultDoesNotExist(result_id) from None
+        progress = progress_of(self.database, job_id, backend=self.alias)
+        if progress is None:
+            raise TaskResultDoesNotExist(result_id)
+        return progress
 
     def _task_for(self, job: Job) -> Task[..., Any]:
         task = lookup(job.task_path)
