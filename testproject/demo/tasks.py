@@ -216,3 +216,29 @@ def count_with_checkpoints(context: JobContext, total: int, every: int,
             if pause_s and done % 100 == 0:
                 time.sleep(pause_s)
     return total
+
+
+def redone_per_restart(ledger: str) -> tuple[list[int], int, set[int]]:
+    """Read a ``count_with_checkpoints`` ledger: items redone at each restart, lines, items.
+
+    Each attempt after the first starts at its checkpoint; the items from
+    there to the last one the previous attempt wrote were done twice. Returns
+    (items redone per restart, item lines written in all, distinct items done).
+    """
+    redone: list[int] = []
+    last = -1
+    lines = 0
+    items: set[int] = set()
+    started = False
+    with open(ledger) as text:
+        for line in text:
+            if line.startswith("start "):
+                first = int(line.split()[2])
+                if started:
+                    redone.append(max(0, last + 1 - first))
+                started, last = True, first - 1
+            elif line.strip():
+                last = int(line)
+                lines += 1
+                items.add(last)
+    return redone, lines, items
