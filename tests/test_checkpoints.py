@@ -21,7 +21,7 @@ from django.test import Client
 from reliable_jobs import JobContext
 from reliable_jobs.compat import TaskResultDoesNotExist, TaskResultStatus
 from reliable_jobs.mirror import journal
-from reliable_jobs.mirror.journal import Journal, JobProgress
+from reliable_jobs.mirror.journal import JobProgress, Journal
 from reliable_jobs.models import Job, JobState
 from reliable_jobs.worker import Worker
 from testproject.demo import tasks as demo
