@@ -169,13 +169,14 @@ def leave_a_thread(seconds: float) -> None:
 
 
 @task(takes_context=True, max_attempts=1)
-def snooze_then_add(context: JobContext, times: int, a: int, b: int,
+def snooze_then_add(context: TaskContext[..., Any], times: int, a: int, b: int,
                     delay_ms: int = 0) -> int:
     """Snooze ``times`` times, counting in the job's checkpoint, then return ``a + b``.
 
     ``max_attempts=1``: a snooze that used an attempt would bury the job at
     its second claim.
     """
+    assert isinstance(context, JobContext)  # what reliable_jobs passes; narrows for mypy
     snoozed = context.checkpoint_value or 0
     if snoozed < times:
         context.checkpoint(snoozed + 1)
@@ -184,14 +185,14 @@ def snooze_then_add(context: JobContext, times: int, a: int, b: int,
 
 
 @task(takes_context=True, max_attempts=1, timeout_ms=20_000)
-def snooze_then_add_in_child(context: JobContext, times: int, a: int, b: int,
+def snooze_then_add_in_child(context: TaskContext[..., Any], times: int, a: int, b: int,
                              delay_ms: int = 0) -> int:
     """``snooze_then_add`` in a child process of its own (a task with ``timeout_ms``)."""
     return snooze_then_add.func(context, times, a, b, delay_ms)
 
 
 @task(takes_context=True, max_attempts=1000)
-def count_with_checkpoints(context: JobContext, total: int, every: int,
+def count_with_checkpoints(context: TaskContext[..., Any], total: int, every: int,
                            ledger: str, pause_s: float = 0.0) -> int:
     """Go through items 0 .. total - 1, storing a checkpoint every ``every`` items.
 
@@ -201,6 +202,7 @@ def count_with_checkpoints(context: JobContext, total: int, every: int,
     line), so a test or bench/checkpoint.py can count the items done again
     after each kill. Sleeps ``pause_s`` after each 100 items.
     """
+    assert isinstance(context, JobContext)  # what reliable_jobs passes; narrows for mypy
     first = (context.checkpoint_value or {}).get("next", 0)
     with open(ledger, "a") as out:
         out.write(f"start {context.attempt} {first}\n")
