@@ -221,6 +221,26 @@ def test_a_stale_holders_snooze_gives_nothing_back_in_the_mirror(rj_settings: An
     assert Attempt.objects.get(job=row, number=1).outcome == AttemptOutcome.LEASE_EXPIRED
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_snooze_after_the_job_was_cancelled_is_recorded_cancelled(rj_settings: Any) -> None:
+    # Given: staff cancelled the job while its attempt ran
+    row = a_row(max_attempts=1)
+    mirror.record("default", [AttemptRecord(job_id=str(row.pk), attempt=1,
+                                            job_state=JobState.RUNNING, worker_id="w")])
+    Job.objects.filter(pk=row.pk).update(state=JobState.CANCELLED)
+
+    # When its task then snoozes
+    record = snoozed(row, 1, claimed_max=1)
+    mirror.record("default", [record])
+
+    # Then the attempt is recorded cancelled (the finisher then acks it: cancel wins),
+    # and the job neither waits again nor gets an attempt back
+    assert record.outcome == AttemptOutcome.CANCELLED and record.budget is None
+    row.refresh_from_db()
+    assert (row.state, row.max_attempts) == (JobState.CANCELLED, 1)
+    assert Attempt.objects.get(job=row, number=1).outcome == AttemptOutcome.CANCELLED
+
+
 # -- the worker ---------------------------------------------------------------------
 
 
