@@ -222,6 +222,24 @@ def test_a_stale_holders_snooze_gives_nothing_back_in_the_mirror(rj_settings: An
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_snooze_of_an_attempt_the_sweep_expired_gives_nothing_back(rj_settings: Any) -> None:
+    # Given: the sweep recorded attempt 1 as lease_expired (requeued, charged), before any
+    # later attempt reached the row
+    row = a_row(max_attempts=3)
+    mirror.record("default", [AttemptRecord(job_id=str(row.pk), attempt=1,
+                                            job_state=JobState.RUNNING, worker_id="a")])
+    mirror.record("default", [mirror.expired_record(str(row.pk), 1, dead=False, error="lost")])
+
+    # When attempt 1's late snooze arrives
+    mirror.record("default", [snoozed(row, 1, claimed_max=3)])
+
+    # Then the row follows Redis (queued, the attempt used), its budget untouched
+    row.refresh_from_db()
+    assert (row.state, row.attempts, row.max_attempts) == (JobState.QUEUED, 1, 3)
+    assert Attempt.objects.get(job=row, number=1).outcome == AttemptOutcome.LEASE_EXPIRED
+
+
+@pytest.mark.django_db(transaction=True)
 def test_a_snooze_after_the_job_was_cancelled_is_recorded_cancelled(rj_settings: Any) -> None:
     # Given: staff cancelled the job while its attempt ran
     row = a_row(max_attempts=1)
