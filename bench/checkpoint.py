@@ -91,7 +91,7 @@ def main() -> None:
     def start(n: int) -> subprocess.Popen[bytes]:
         return subprocess.Popen(
             [sys.executable, str(ROOT / "manage.py"), "runworker", "--queue", QUEUE],
-            env=child_env(), cwd=ROOT, stdout=open(logs / f"w{n}.log", "wb"),  # noqa: SIM115
+            env=child_env(), cwd=ROOT, stdout=open(logs / f"w{n}.log", "wb"),
             stderr=subprocess.STDOUT)
 
     began = time.monotonic()

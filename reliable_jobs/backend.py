@@ -228,21 +228,10 @@ class ReliableJobsBackend(BaseTaskBackend):
                           attempts=list(job.attempt_set.all()))
 
     def get_progress(self, result_id: str) -> JobProgress:
-        """The progress and checkpoint a job's task last reported (``context.progress()``).
-
-        Django's ``TaskResult`` has no place for it, so it is read beside
-        ``get_result()``: ``backend.get_progress(result.id).fraction``.
-        """
+        """What a job's task last reported (context.progress(), checkpoint()): mirror/journal."""
         from .mirror.journal import progress_of
 
-        try:
-            job_id = uuid.UUID(str(result_id))
-        except ValueError:
-            raise TaskResultDoesNotExist(result_id) from None
-        progress = progress_of(self.database, job_id, backend=self.alias)
-        if progress is None:
-            raise TaskResultDoesNotExist(result_id)
-        return progress
+        return progress_of(self.database, result_id, backend=self.alias)
 
     def _task_for(self, job: Job) -> Task[..., Any]:
         task = lookup(job.task_path)

@@ -30,12 +30,14 @@ import json
 import logging
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from django.db import DatabaseError
 from django.db.models import Q
 
+from ..compat import TaskResultDoesNotExist
 from ..models import Job
 from .records import FINISHED_STATES
 
@@ -73,11 +75,22 @@ class JobProgress:
         return max(0.0, min(1.0, self.done / self.total))
 
 
-def progress_of(using: str, job_id: Any, *, backend: str) -> JobProgress | None:
-    """The progress a job's row holds (None: no such job of ``backend``)."""
+def progress_of(using: str, result_id: str, *, backend: str) -> JobProgress:
+    """The progress a job's row holds (``backend.get_progress()``).
+
+    Django's ``TaskResult`` has no place for it, so it is read beside
+    ``get_result()``. Raises ``TaskResultDoesNotExist`` for an id that is no
+    job of ``backend``.
+    """
+    try:
+        job_id = uuid.UUID(str(result_id))
+    except ValueError:
+        raise TaskResultDoesNotExist(result_id) from None
     row = Job.objects.using(using).filter(pk=job_id, backend=backend).values_list(
         "progress_done", "progress_total", "checkpoint", "progress_attempt").first()
-    return None if row is None else JobProgress(*row)
+    if row is None:
+        raise TaskResultDoesNotExist(result_id)
+    return JobProgress(*row)
 
 
 def _count(value: Any, name: str) -> int:
