@@ -94,6 +94,8 @@ def main() -> None:
             env=child_env(), cwd=ROOT, stdout=open(logs / f"w{n}.log", "wb"),
             stderr=subprocess.STDOUT)
 
+    # A SIGTERM to this script still stops its worker (the finally below).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     began = time.monotonic()
     kills = 0
     worker = start(0)

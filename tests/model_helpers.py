@@ -465,7 +465,8 @@ class QueueMachine(RuleBasedStateMachine):
     @rule(index=st.integers(0, 20),
           # Success twice as likely: most attempts succeed, and most bugs
           # worth finding are about a success recorded at the wrong time.
-          outcome=st.sampled_from(["succeeded", "succeeded", "queued", "scheduled", "dead"]),
+          outcome=st.sampled_from(["succeeded", "succeeded", "queued", "scheduled", "dead",
+                                   "snoozed"]),
           ack_now=st.booleans(), commit_now=st.booleans())
     def finish(self, index: int, outcome: str, ack_now: bool, commit_now: bool = True) -> None:
         """The task ended: mirror the outcome (committed), then ack or nack it.
@@ -486,8 +487,17 @@ class QueueMachine(RuleBasedStateMachine):
             worker.committing.append(finished)
 
     def outcome(self, worker: SimWorker, job: ClaimedJob, outcome: str) -> FinishedAttempt:
-        """What the executor hands the finisher when a task ends (executor.py)."""
+        """What the executor hands the finisher when a task ends (executor.py).
+
+        A snooze (``Snooze(RETRY_DELAY_MS)``) never turns into a death: it
+        gives its attempt back, whatever attempt it is.
+        """
         now = timezone.now()
+        if outcome == "snoozed":
+            return FinishedAttempt(mirror.snoozed_record(
+                job.id, job.attempt, gen=job.gen, delay_ms=RETRY_DELAY_MS,
+                max_attempts=job.max_attempts, worker_id=worker.name, started_at=now),
+                job=job, delay_ms=RETRY_DELAY_MS, snoozed=True)
         if outcome != "succeeded" and job.attempt >= job.max_attempts:
             outcome = "dead"
         if outcome == "succeeded":
