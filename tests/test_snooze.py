@@ -111,8 +111,8 @@ def test_a_stale_worker_snoozing_after_its_lease_was_lost_is_refused(
 ) -> None:
     # Given: worker A's lease expired, the sweep requeued the job, worker B holds it now
     broker.enqueue(Q, [NewJob("a", "{}", 3)])
-    stale = claimed(broker, lease_ms=1)
-    time.sleep(0.01)
+    stale = claimed(broker, lease_ms=200)
+    time.sleep(0.25)
     recovered = broker.recover(Q, lease_ms=60_000)
     assert [o.kind for o in recovered.outcomes] == ["expired"]
     current = claimed(broker)
