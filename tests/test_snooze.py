@@ -28,7 +28,7 @@ from reliable_jobs.models import Attempt, AttemptOutcome, Job, JobState
 from reliable_jobs.worker import Worker
 from testproject.demo import tasks as demo
 
-from .helpers import REDIS_URL, Processes, worker_in_thread
+from .helpers import REDIS_URL, Processes, queued_by_priority, worker_in_thread
 from .helpers import wait_until as wait_for
 
 Q = "default"
@@ -104,6 +104,19 @@ def test_a_snooze_of_zero_queues_the_job_at_once(broker: Broker,
     assert redis_client.lrange(KEYS.queued, 0, -1) == ["a"]
     [again] = broker.claim(Q, count=1, lease_ms=60_000).jobs
     assert (again.attempt, again.max_attempts) == (2, 2)
+
+
+def test_a_snoozed_job_goes_back_at_its_priority_and_in_its_fair_group(
+    broker: Broker, redis_client: redis.Redis
+) -> None:
+    broker.enqueue(Q, [NewJob("a", "{}", 1, priority=5), NewJob("b", "{}", 1, group="t1")])
+    jobs = broker.claim(Q, count=2, lease_ms=60_000).jobs
+    assert broker.start(Q, [j.fence for j in jobs]) == [Applied.DONE] * 2
+
+    assert broker.snooze(Q, [(*j.fence, 0) for j in jobs]) == [Applied.DONE] * 2
+
+    assert queued_by_priority(broker, Q) == {5: 1}
+    assert redis_client.lrange(KEYS.group(0, "t1"), 0, -1) == ["b"]
 
 
 def test_a_stale_worker_snoozing_after_its_lease_was_lost_is_refused(
