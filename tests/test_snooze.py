@@ -318,3 +318,31 @@ def test_a_snooze_in_a_time_limited_task_snoozes_too(rj_settings: Any,
                     .values_list("outcome", flat=True))
     assert outcomes == ["snoozed", "snoozed", "succeeded"]
     assert Job.objects.get(pk=result.id).checkpoint == 2
+
+
+@pytest.mark.slow
+@pytest.mark.crash
+@pytest.mark.django_db(transaction=True)
+def test_a_worker_killed_between_mirroring_a_snooze_and_applying_it_still_uses_no_attempt(
+    rj_settings: Any, processes: Processes
+) -> None:
+    # Given: a one-attempt job that snoozes once, on a worker that dies (like a SIGKILL)
+    # once the snooze is in the mirror and before snooze.lua runs
+    env = rj_settings()
+    result = demo.snooze_then_add.enqueue(1, 2, 3)
+    victim = processes.worker(env, extra_env={"RJ_CRASH_AT": "before_ack"})
+    assert victim.wait(timeout=60) == 86, processes.log(victim)
+    row = Job.objects.get(pk=result.id)
+    assert (row.state, row.max_attempts) == (JobState.QUEUED, 2)  # the mirror has the snooze
+
+    # When a healthy worker (and its sweep) takes over once the lease expired
+    processes.worker(env)
+    done = wait_for(lambda: (r := demo.snooze_then_add.get_result(result.id)).is_finished
+                    and r, timeout=60, message="the job to finish")
+
+    # Then the sweep settled the snooze from the mirror (queued again, attempt given
+    # back) instead of burying the job as a lost last attempt
+    assert done.status == TaskResultStatus.SUCCESSFUL and done.return_value == 5
+    outcomes = list(Attempt.objects.filter(job_id=result.id).order_by("number")
+                    .values_list("outcome", flat=True))
+    assert outcomes == ["snoozed", "succeeded"]

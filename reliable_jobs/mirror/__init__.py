@@ -85,6 +85,7 @@ from .reconcile import (
     next_generation,
     rebuilt_job,
     reconcile_candidates,
+    snoozed_attempts,
 )
 from .records import (
     ABANDONED_ERROR,
@@ -112,7 +113,7 @@ __all__ = [
     "lock_for_recovery", "lock_job", "lock_prunable", "lock_recent_cancels",
     "lock_unfinished", "mark_cancelled", "mark_priority", "mark_queued_again", "mark_rebuilt",
     "new_state", "next_generation", "raise_budgets", "rebuilt_job", "reconcile_candidates",
-    "record", "snoozed_record",
+    "record", "snoozed_attempts", "snoozed_record",
 ]
 
 
