@@ -35,7 +35,7 @@ from reliable_jobs import mirror, staff
 from reliable_jobs.broker import Applied, Broker, ClaimedJob, Fence, NewJob
 from reliable_jobs.compat import task_backends
 from reliable_jobs.mirror import AttemptRecord
-from reliable_jobs.models import UNFINISHED_STATES, AttemptOutcome, Job, JobState
+from reliable_jobs.models import UNFINISHED_STATES, Attempt, AttemptOutcome, Job, JobState
 from reliable_jobs.sweep import Sweep
 from reliable_jobs.worker.finisher import FinishedAttempt
 from testproject.demo import tasks as demo
@@ -826,6 +826,20 @@ class QueueMachine(RuleBasedStateMachine):
         for job_id, holders in current.items():
             if len(holders) > 1:
                 self.fail(f"job {job_id} has {len(holders)} current tokens: {sorted(holders)}")
+
+    @invariant()
+    def snoozes_never_bury_a_job(self) -> None:
+        """A job whose every recorded attempt was a snooze is not dead: a snooze uses no attempt."""
+        dead = list(Job.objects.filter(state=JobState.DEAD).values_list("pk", flat=True))
+        if not dead:
+            return
+        outcomes: dict[str, set[str]] = {}
+        for job_id, outcome in Attempt.objects.filter(job_id__in=dead).values_list(
+                "job_id", "outcome"):
+            outcomes.setdefault(str(job_id), set()).add(outcome)
+        for job_id, seen in outcomes.items():
+            if seen == {AttemptOutcome.SNOOZED}:
+                self.fail(f"job {job_id} is dead though every attempt it recorded snoozed")
 
     @invariant()
     def finished_rows_stay_finished(self) -> None:

@@ -22,6 +22,7 @@ docs/explanation/guarantees.md and docs/design.md:
   Redis took (its ack applied) is in the mirror;
 - Redis and the row agree on the generation: a job Redis may run has its
   row's generation, or the mirror refuses every record of it;
+- a job whose every attempt snoozed is never dead (a snooze uses no attempt);
 - a claim whose lease ran out is not started; a job handed back by a
   stopping worker does not start elsewhere while that worker still runs
   it; an equal call of a unique task is not merged into a job that began;
@@ -101,6 +102,7 @@ def replay(*steps: Callable[[QueueMachine], object]) -> None:
         machine.unfinished_rows_are_reachable()
         machine.waiting_jobs_wait_at_their_priority()
         machine.waiting_jobs_take_their_turn_in_their_group()
+        machine.snoozes_never_bury_a_job()
     machine.teardown()
 
 
