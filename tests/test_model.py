@@ -360,3 +360,21 @@ def test_a_claim_whose_lease_expired_is_not_started(model_settings: None) -> Non
         lambda m: m.pause(),
         lambda m: m.start(index=0, record_start=True),
     )
+
+
+def test_snoozes_never_use_up_a_jobs_attempts(model_settings: None) -> None:
+    """A job of three attempts snoozes three times, then is claimed again: were a
+    snooze to use an attempt, the claim would bury it with no attempt left though
+    its task never failed. (snooze.lua gives the attempt back.)"""
+    snooze_once = (
+        lambda m: m.claim(k=0, count=1, start=True),
+        lambda m: m.finish(index=0, outcome="snoozed", ack_now=True),
+        lambda m: m.pause(),
+        lambda m: m.sweep(expire=False, stall=False, crash=False),
+    )
+    replay(
+        lambda m: m.enqueue(deferred=False, late=False),
+        *snooze_once, *snooze_once, *snooze_once,
+        lambda m: m.claim(k=0, count=1, start=True),
+        lambda m: m.finish(index=0, outcome="succeeded", ack_now=True),
+    )
