@@ -416,6 +416,7 @@ class Executor:
             task_finished.send(type(self.backend), task_result=result)
         self.finisher.submit(FinishedAttempt(record, job=job, delay_ms=exc.delay_ms,
                                              task=task_path, snoozed=True))
+        telemetry.hook.snoozed(job, task_path, time.perf_counter() - started_clock)
         if logger.isEnabledFor(logging.DEBUG):
             log_attempt(logging.DEBUG, job, task_path, AttemptOutcome.SNOOZED,
                         (time.perf_counter() - started_clock) * 1000,
