@@ -237,8 +237,6 @@ class Executor:
         result: TaskResult[..., Any] | None = None
         #: The decoded payload and its task, once the task is known to be runnable.
         runnable: tuple[payload.Payload, Any] | None = None
-        #: Its progress and checkpoint writer (a task that takes its context).
-        journal: Journal | None = None
         try:
             decoded = payload.decode(job.payload, max_bytes=self.config.MAX_PAYLOAD_BYTES)
             task_path = decoded.task_path
