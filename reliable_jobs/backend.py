@@ -19,7 +19,7 @@ import logging
 import uuid
 from collections.abc import Iterable, Sequence
 from functools import cached_property, partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from django.apps import apps
 from django.conf import settings
@@ -28,7 +28,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
-from . import conf, telemetry
+from . import canvas, conf, telemetry
 from .broker import REDIS_ERRORS, Broker, NewJob
 from .compat import (
     BaseTaskBackend,
@@ -50,8 +50,8 @@ from .signalwatch import SignalWatch
 from .tasks import ReliableTask, lookup, rebuilt_flow
 
 if TYPE_CHECKING:
-    from .canvas import Plan, WorkflowHandle
     from .mirror import NewRow
+    from .mirror.journal import JobProgress
     from .models import Job
     from .staff import StaffResult
 
@@ -169,18 +169,12 @@ class ReliableJobsBackend(BaseTaskBackend):
         with telemetry.hook.enqueue(task.queue_name, task.module_path, len(calls)) as trace:
             return self._enqueue(task, calls, trace)
 
-    def enqueue_workflow(self, plan: Plan, *, name: str = "") -> WorkflowHandle:
-        """Enqueue a compiled workflow (``canvas.chain`` ...) in one transaction."""
-        from .workflows import enqueue_plan  # same layer, as below
-        return enqueue_plan(self, plan, name=name)
-
     def _enqueue(self, task: Task[..., Any], calls: Calls, trace: str | None, *,
                  waiting_for: int = 0, workflow_id: str | None = None) -> Results:
         """The one enqueue: rows into the mirror, pushes on commit, results, signals."""
         self._raise_if_misconfigured()  # first: E009 before any model import
-        if getattr(task, "after", ()) and not waiting_for:
-            from .workflows import enqueue_after  # same layer; see the module docstring
-            return enqueue_after(self, task, calls, trace)
+        if getattr(task, "after", ()) and not waiting_for:  # it waits for jobs: workflows.py
+            return cast(Results, canvas.ENQUEUE["after"](self, task, calls, trace))
         self.validate_task(task)
         ensure_reachable(task)
         from . import mirror  # not at module level: see the module docstring
@@ -234,6 +228,12 @@ class ReliableJobsBackend(BaseTaskBackend):
             raise TaskResultDoesNotExist(result_id) from None
         return job_result(job, self._task_for(job), backend=self.alias,
                           attempts=list(job.attempt_set.all()))
+
+    def get_progress(self, result_id: str) -> JobProgress:
+        """What a job's task last reported (context.progress(), checkpoint()): mirror/journal."""
+        from .mirror.journal import progress_of
+
+        return progress_of(self.database, result_id, backend=self.alias)
 
     def _task_for(self, job: Job) -> Task[..., Any]:
         task = lookup(job.task_path)

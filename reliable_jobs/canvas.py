@@ -18,11 +18,16 @@ place in its results holds ``{"failed": state, "job": id, "error": ...}``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .compat import InvalidTask, Task, task_backends
+
+#: How workflows are written: ``"plan"`` (a compiled workflow) and ``"after"``
+#: (``task.using(after=...)`` calls), each taking the backend first. Set when
+#: the app is ready (apps.py) from workflows.py, a layer above this module.
+ENQUEUE: dict[str, Callable[..., Any]] = {}
 
 #: The on_failure policies (models.OnFailure's values).
 POLICIES = ("cancel", "run")
@@ -203,9 +208,8 @@ def _enqueue(part: Part | DAG, name: str) -> WorkflowHandle:
     """Compile ``part`` and give it to the backend of its first task."""
     plan = compile_plan(part)
     backend = task_backends[plan.nodes[0].call.task.backend]
-    enqueue_workflow = getattr(backend, "enqueue_workflow", None)
-    if enqueue_workflow is None:
+    if not hasattr(backend, "parts") or "plan" not in ENQUEUE:
         raise InvalidTask(f"Backend {backend.alias!r} cannot enqueue workflows: use "
-                          "reliable_jobs' backend.")
-    result: WorkflowHandle = enqueue_workflow(plan, name=name)
+                          "reliable_jobs' backend, with 'reliable_jobs' in INSTALLED_APPS.")
+    result: WorkflowHandle = ENQUEUE["plan"](backend, plan, name=name)
     return result

@@ -8,7 +8,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('reliable_jobs', '0011_fair_job_fair_key'),
+        ('reliable_jobs', '0012_snooze_progress_checkpoint'),
     ]
 
     operations = [

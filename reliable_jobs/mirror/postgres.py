@@ -29,6 +29,7 @@ from django.db.backends.utils import CursorWrapper
 from ..faults import stop_point
 from ..models import UNFINISHED_STATES, Attempt, Job
 from . import dependencies
+from .portable import raise_snoozed_budgets
 from .records import (
     ABANDONED_ERROR,
     RAN_OUTCOMES,
@@ -344,6 +345,7 @@ def write_batch(using: str, merged: Sequence[AttemptRecord],
                                              _joined_ints([r.gen for r in retried])])
         # Workflows: the dependents of the jobs this batch ended, in this transaction.
         dependencies.settle(using, ended_ids(jobs))
+        raise_snoozed_budgets(using, jobs)
 
 
 class _Columns:

@@ -36,6 +36,7 @@ SCRIPT_NAMES = (
     "reprioritize",
     "requeue",
     "revive",
+    "snooze",
     "start",
     "wake",
 )
