@@ -32,8 +32,9 @@ from django.utils.html import format_html
 from django.utils.safestring import SafeString
 from django.utils.translation import gettext_lazy as _
 
-# schedule_admin is imported for its side effect: it registers the periodic jobs' admin.
-from . import changelist, dashboard, schedule_admin, staff, taskpage  # noqa: F401
+# schedule_admin and workflow_admin are imported for their side effect: they register
+# the periodic jobs' and the workflows' admin.
+from . import changelist, dashboard, schedule_admin, staff, taskpage, workflow_admin  # noqa: F401
 from .adminparts import ReadOnlyMixin, badge, timestamp
 from .broker import REDIS_ERRORS
 from .compat import admin_action

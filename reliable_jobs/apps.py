@@ -17,3 +17,11 @@ class ReliableJobsConfig(AppConfig):
         # its library is not installed.
         metrics.install()
         tracing.install()
+        # Jobs a workflow's dependencies release are pushed after the commit
+        # that released them, in whichever process wrote it (workflows.py).
+        from .canvas import ENQUEUE
+        from .mirror.dependencies import jobs_released
+        from .workflows import enqueue_after, enqueue_plan, push_released
+
+        jobs_released.connect(push_released, dispatch_uid="reliable_jobs.workflows.push")
+        ENQUEUE.update(plan=enqueue_plan, after=enqueue_after)

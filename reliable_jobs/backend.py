@@ -19,7 +19,7 @@ import logging
 import uuid
 from collections.abc import Iterable, Sequence
 from functools import cached_property, partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from django.apps import apps
 from django.conf import settings
@@ -28,7 +28,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
-from . import conf, telemetry
+from . import canvas, conf, telemetry
 from .broker import REDIS_ERRORS, Broker, NewJob
 from .compat import (
     BaseTaskBackend,
@@ -42,7 +42,7 @@ from .compat import (
 )
 from .flow import Limits, TaskFlow, task_flow
 from .keys import is_valid_queue_name
-from .newjobs import Calls, NewJobsBuilder, push_on_commit, unique_rule
+from .newjobs import Calls, NewJobsBuilder, Results, push_on_commit, unique_rule
 from .parts import BackendParts, task_option
 from .reachability import ensure_reachable
 from .results import job_result
@@ -169,10 +169,12 @@ class ReliableJobsBackend(BaseTaskBackend):
         with telemetry.hook.enqueue(task.queue_name, task.module_path, len(calls)) as trace:
             return self._enqueue(task, calls, trace)
 
-    def _enqueue(self, task: Task[..., Any], calls: Calls,
-                 trace: str | None) -> list[TaskResult[..., Any]]:
+    def _enqueue(self, task: Task[..., Any], calls: Calls, trace: str | None, *,
+                 waiting_for: int = 0, workflow_id: str | None = None) -> Results:
         """The one enqueue: rows into the mirror, pushes on commit, results, signals."""
         self._raise_if_misconfigured()  # first: E009 before any model import
+        if getattr(task, "after", ()) and not waiting_for:  # it waits for jobs: workflows.py
+            return cast(Results, canvas.ENQUEUE["after"](self, task, calls, trace))
         self.validate_task(task)
         ensure_reachable(task)
         from . import mirror  # not at module level: see the module docstring
@@ -181,8 +183,8 @@ class ReliableJobsBackend(BaseTaskBackend):
         build = NewJobsBuilder(
             task, calls, alias=self.alias, now=timezone.now(), trace=trace,
             max_attempts=self.task_option(task, "max_attempts"), keyed=rule is not None,
-            max_bytes=self.config.MAX_PAYLOAD_BYTES,
-            shards=self.config.SHARDS.get(task.queue_name, 1),
+            max_bytes=self.config.MAX_PAYLOAD_BYTES, waiting_for=waiting_for,
+            shards=self.config.SHARDS.get(task.queue_name, 1), workflow_id=workflow_id,
             flow=self.task_flow(task, task.module_path))
         rows: Iterable[NewRow] = build.rows()
         if rule is not None or len(calls) == 1:

@@ -88,6 +88,10 @@ class JobCancelled(Exception):
     """
 
 
+class UpstreamFailed(Exception):
+    """A job this one waited for ended dead or cancelled, so it was cancelled."""
+
+
 class AttemptsExhausted(Exception):
     """Recorded for a job claimed ``max_attempts`` times without ever finishing.
 

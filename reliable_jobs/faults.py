@@ -36,6 +36,7 @@ POINTS = (
     "reconcile_after_push",  # reconcile committed, then pushed the rebuilt jobs
     "in_mirror_transaction",  # attempts written, jobs not yet, transaction open (stop_point)
     "scheduler_decided",  # a schedule's due slots decided under its row lock, none enqueued yet
+    "released_before_push",  # a commit made waiting jobs runnable; they are not pushed yet
 )
 
 

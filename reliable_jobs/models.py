@@ -17,6 +17,10 @@ from .keys import shard_queue
 
 
 class JobState(models.TextChoices):
+    #: Waits for other jobs (workflows.py): a row only, nothing in Redis,
+    #: until the mirror write that settles its last dependency makes it
+    #: queued (or scheduled) and pushes it.
+    WAITING = "waiting", _("Waiting")
     SCHEDULED = "scheduled", _("Scheduled")
     QUEUED = "queued", _("Queued")
     RUNNING = "running", _("Running")
@@ -30,6 +34,7 @@ UNFINISHED_STATES = (JobState.SCHEDULED, JobState.QUEUED, JobState.RUNNING)
 
 #: docs/design.md's mapping onto Django's task statuses.
 TASK_STATUS = {
+    JobState.WAITING: TaskResultStatus.READY,
     JobState.SCHEDULED: TaskResultStatus.READY,
     JobState.QUEUED: TaskResultStatus.READY,
     JobState.RUNNING: TaskResultStatus.RUNNING,
@@ -99,6 +104,14 @@ class Job(models.Model):
     #: mirror puts the job back in it.
     fair_key = models.CharField(_("fair group"), max_length=100, blank=True, default="")
 
+    #: Dependencies not settled yet (only a ``waiting`` job has any): the
+    #: mirror write that settles one takes it down by one under the row's
+    #: lock, and the one that reaches 0 makes the job runnable.
+    waiting_for = models.PositiveIntegerField(_("waiting for"), default=0, db_default=0)
+    #: The workflow the job belongs to (None for a job enqueued alone).
+    workflow = models.ForeignKey("Workflow", models.SET_NULL, null=True, blank=True,
+                                 related_name="jobs", verbose_name=_("workflow"),
+                                 db_index=False, db_constraint=False)
     # What a running task said of itself (context.progress() / checkpoint(),
     # mirror/journal.py). All NULL until it says something: the INSERT and
     # COPY of new jobs leave these columns out.
@@ -122,6 +135,9 @@ class Job(models.Model):
             models.Index(fields=["queue", "state"], name="rj_job_queue_state"),
             models.Index(fields=["task_path"], name="rj_job_task"),
             models.Index(fields=["-enqueued_at"], name="rj_job_enqueued"),
+            # Partial: plain jobs (no workflow) never enter it, so enqueue pays nothing.
+            models.Index(fields=["workflow"], name="rj_job_workflow",
+                         condition=models.Q(workflow__isnull=False)),
         ]
         constraints = [
             # The judge of unique jobs: one unfinished job per key, checked by the
@@ -281,3 +297,76 @@ class ScheduleSlot(models.Model):
 
     def __str__(self) -> str:
         return f"{self.schedule_id} at {self.slot_at.isoformat()}"
+
+
+class Workflow(models.Model):
+    """Jobs enqueued together by a builder of ``workflows.py`` (chain, group, chord).
+
+    A header only: its jobs point to it (``Job.workflow``), their order is
+    in :class:`Dependency`. Written once, in the transaction that inserts
+    the jobs; never updated (progress is counted from the jobs).
+    """
+
+    id = models.UUIDField(_("id"), primary_key=True, default=uuid.uuid4, editable=False)
+    name = models.CharField(_("name"), max_length=200, blank=True, default="")
+    #: How many jobs it has.
+    total = models.PositiveIntegerField(_("jobs"))
+    created_at = models.DateTimeField(_("created"))
+
+    class Meta:
+        verbose_name = _("workflow")
+        verbose_name_plural = _("workflows")
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return self.name or str(self.id)
+
+
+class OnFailure(models.TextChoices):
+    """What a dependent job does when a job it waits for ends dead or cancelled."""
+
+    CANCEL = "cancel", _("Cancel the dependent job")
+    RUN = "run", _("Run it anyway, the failure passed to it")
+
+
+class PassResult(models.IntegerChoices):
+    """Whether, and how, the upstream's result reaches the dependent's first argument."""
+
+    NO = 0, _("Not passed")
+    VALUE = 1, _("As the first argument")
+    LIST = 2, _("As an item of a list, the first argument")
+
+
+class Dependency(models.Model):
+    """One edge of a workflow: ``job`` runs only after ``upstream`` has ended.
+
+    ``upstream_id`` is no foreign key: the edge is settled (``state`` set,
+    the result copied) by the write that ends the upstream, so pruning the
+    upstream's row later loses nothing the dependent still needs.
+    """
+
+    job = models.ForeignKey(Job, models.CASCADE, related_name="dependencies",
+                            verbose_name=_("job"))
+    upstream_id = models.UUIDField(_("upstream job"))
+    #: '' while the upstream has not ended; then the state it ended in.
+    state = models.CharField(_("state"), max_length=16, blank=True, default="")
+    on_failure = models.CharField(_("on failure"), max_length=8, choices=OnFailure.choices,
+                                  default=OnFailure.CANCEL)
+    passes = models.PositiveSmallIntegerField(_("passes its result"), choices=PassResult.choices,
+                                              default=PassResult.NO)
+    #: The place of the upstream's result in the dependent's list (PassResult.LIST).
+    position = models.PositiveIntegerField(_("position"), default=0)
+    #: The upstream's return value (or its failure), copied when it ended.
+    result = models.JSONField(_("result"), null=True, blank=True)
+
+    class Meta:
+        verbose_name = _("dependency")
+        verbose_name_plural = _("dependencies")
+        indexes = [
+            # What the write that ends a job looks up: its edges not settled yet.
+            models.Index(fields=["upstream_id"], name="rj_dep_pending",
+                         condition=models.Q(state="")),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.job_id} after {self.upstream_id}"

@@ -37,6 +37,9 @@ NEW_JOB_STATUS = TaskResultStatus.READY
 #: Calls of one task, as ``enqueue_many`` takes them.
 Calls = Sequence[tuple[Sequence[Any], dict[str, Any]]]
 
+#: What an enqueue returns: one result per call, in the calls' order.
+type Results = list[TaskResult[..., Any]]
+
 #: Jobs one push script call takes at most.
 PUSH_CHUNK = 1000
 
@@ -63,8 +66,11 @@ class NewJobsBuilder:
 
     def __init__(self, task: Task[..., Any], calls: Calls, *, alias: str, now: datetime,
                  max_attempts: int, max_bytes: int, shards: int, trace: str | None,
-                 keyed: bool, flow: TaskFlow | None = None) -> None:
+                 keyed: bool, flow: TaskFlow | None = None, waiting_for: int = 0,
+                 workflow_id: str | None = None) -> None:
         self.task, self.calls, self.alias, self.now = task, calls, alias, now
+        #: Dependencies each job waits for (workflows): such jobs are not pushed.
+        self.waiting_for, self.workflow_id = waiting_for, workflow_id
         self.max_attempts, self.shards, self.keyed = max_attempts, shards, keyed
         self.encode = payload.CallEncoder(task.module_path, max_bytes=max_bytes, trace=trace,
                                           flow=_checked(flow) if flow is not None else None)
@@ -82,7 +88,8 @@ class NewJobsBuilder:
         task = self.task
         return NewJobs.at(self.now, backend=self.alias, queue=task.queue_name,
                           task_path=task.module_path, priority=task.priority,
-                          max_attempts=self.max_attempts, run_after=task.run_after, rows=rows)
+                          max_attempts=self.max_attempts, run_after=task.run_after, rows=rows,
+                          waiting_for=self.waiting_for, workflow_id=self.workflow_id)
 
     def rows(self) -> Iterator[NewRow]:
         """Each call's row (see NewRow), its push and result recorded as it is made."""
@@ -144,7 +151,13 @@ class NewJobsBuilder:
         return [by_key[key] for key in self.keys], fresh
 
     def pushes_of(self, results: Sequence[TaskResult[..., Any]]) -> dict[str, list[NewJob]]:
-        """The pushes of the jobs whose ``results`` are given (those inserted), by queue."""
+        """The pushes of the jobs whose ``results`` are given (those inserted), by queue.
+
+        None for waiting jobs: the write that settles their last dependency
+        makes them runnable and has them pushed (mirror/dependencies.py).
+        """
+        if self.waiting_for:
+            return {}
         if results is self.results:
             return {queue: jobs for queue, jobs in self.pushes.items() if jobs}
         inserted = {result.id for result in results}

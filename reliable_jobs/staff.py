@@ -118,6 +118,11 @@ def cancel(parts: BackendParts, job_id: Any) -> StaffResult:
         if job.state in mirror.FINISHED_STATES:
             return StaffResult(jid, False, f"Job {jid} has finished ({job.state}): there is "
                            "nothing to cancel.")
+        if job.state == JobState.WAITING:
+            # Never pushed (it waits for other jobs): nothing in Redis to take off.
+            mirror.mark_cancelled(database, jid)
+            return StaffResult(jid, True, f"Job {jid} was cancelled while it waited for other "
+                               "jobs: it will not run, nor will the jobs waiting for it.")
         cancelled, found = parts.broker.cancel(job.physical_queue, jid)
         if not cancelled:
             if not found:

@@ -15,8 +15,8 @@ data, not code, and a path is only ever a dictionary key here.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from django.apps import apps
@@ -25,6 +25,7 @@ from django.dispatch import receiver
 from django.utils.module_loading import autodiscover_modules
 
 from . import fairness
+from .canvas import POLICIES, Signature
 from .compat import FairKey, InvalidTask, Task, UniqueBy
 from .flow import Limits, check_task_options, task_flow
 from .unique import check_options
@@ -74,6 +75,13 @@ class ReliableTask(Task):  # type: ignore[type-arg]  # generic only in django-st
     #: of the call's arguments returning a str, an int or None (no group).
     #: Groups of one queue and priority take turns (fairness.py).
     fair_key: FairKey | None = None
+    #: Ids of the jobs each job of this task waits for (``using(after=...)``):
+    #: enqueued as ``waiting``, it is pushed once all of them succeeded.
+    after: tuple[str, ...] = ()
+    #: Whether those jobs' results come first in its arguments (a list, in ``after``'s order).
+    pass_results: bool = False
+    #: What it does when one of them ends dead or cancelled: "cancel" or "run" (canvas.py).
+    on_failure: str = "cancel"
 
     def __post_init__(self) -> None:
         # Zero-argument super() does not work in a slots dataclass.
@@ -94,7 +102,33 @@ class ReliableTask(Task):  # type: ignore[type-arg]  # generic only in django-st
         if problem:
             raise InvalidTask(problem)
         fairness.check_options(self)
+        if self.on_failure not in POLICIES:
+            raise InvalidTask(f"on_failure must be one of {POLICIES}, not {self.on_failure!r}.")
         register(self)
+
+    def using(self, *, after: Iterable[Any] | None = None,
+              pass_results: bool | None = None, on_failure: str | None = None,
+              **changes: Any) -> ReliableTask:
+        """Django's ``using()``, and ``after=[result, ...]``: wait for those jobs first.
+
+        ``after`` takes results (or job ids); ``pass_results=True`` puts
+        their return values, as a list, in front of the arguments;
+        ``on_failure`` says what happens when one of them ends dead or
+        cancelled (see canvas.py).
+        """
+        task: ReliableTask = Task.using(self, **changes)  # type: ignore[assignment]  # replace(self)
+        extra: dict[str, Any] = {}
+        if after is not None:
+            extra["after"] = tuple(str(getattr(item, "id", item)) for item in after)
+        if pass_results is not None:
+            extra["pass_results"] = pass_results
+        if on_failure is not None:
+            extra["on_failure"] = on_failure
+        return replace(task, **extra) if extra else task
+
+    def s(self, *args: Any, **kwargs: Any) -> Signature:
+        """This task's call with these arguments, for a workflow (``canvas.chain`` ...)."""
+        return Signature(self, args, kwargs)
 
 
 def register(task: Task[..., Any]) -> None:

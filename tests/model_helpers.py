@@ -14,6 +14,7 @@ part (tests/model_faults.py), so it follows the code as it changes.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -35,7 +36,15 @@ from reliable_jobs import mirror, staff
 from reliable_jobs.broker import Applied, Broker, ClaimedJob, Fence, NewJob
 from reliable_jobs.compat import task_backends
 from reliable_jobs.mirror import AttemptRecord
-from reliable_jobs.models import UNFINISHED_STATES, Attempt, AttemptOutcome, Job, JobState
+from reliable_jobs.mirror.records import FINISHED_STATES
+from reliable_jobs.models import (
+    UNFINISHED_STATES,
+    Attempt,
+    AttemptOutcome,
+    Dependency,
+    Job,
+    JobState,
+)
 from reliable_jobs.sweep import Sweep
 from reliable_jobs.worker.finisher import FinishedAttempt
 from testproject.demo import tasks as demo
@@ -170,7 +179,25 @@ class QueueMachine(RuleBasedStateMachine):
         self.finisher = finisher(self.backend)
         #: Jobs of demo.capped_add: at most CAP of them hold a slot at once.
         self.capped: set[str] = set()
+        #: Jobs enqueued with after=: their upstreams, and their on_failure policy.
+        self.upstreams: dict[str, tuple[list[str], str]] = {}
+        #: Jobs whose release push (after the commit that released them) is to be
+        #: lost, as if the releasing process died between its commit and the push.
+        self.lose_release: set[str] = set()
+        #: Jobs a staff retry or requeue moved: staff may run a job whatever it waits for.
+        self.staff_moved: set[str] = set()
         self.failed = False
+        # The push of released jobs goes through broker.enqueue (workflows.push_released):
+        # drop the ones lose_release names, once each. Taken back at teardown.
+        self.broker.__dict__.pop("enqueue", None)
+        real_enqueue = self.broker.enqueue
+
+        def enqueue(queue: str, jobs: Any, **kwargs: Any) -> int:
+            jobs = list(jobs)
+            kept = [job for job in jobs if job.id not in self.lose_release]
+            self.lose_release -= {job.id for job in jobs}
+            return real_enqueue(queue, kept, **kwargs) if kept else 0
+        self.broker.enqueue = enqueue  # type: ignore[method-assign]
 
     # -- helpers ---------------------------------------------------------
 
@@ -275,12 +302,30 @@ class QueueMachine(RuleBasedStateMachine):
             self.fail(f"job {job.id} started as attempt {job.attempt} (gen {job.gen}) on "
                       f"{worker.name} while attempt {other[1]} (gen {other[2]}) still runs in "
                       "a thread of a stopping worker, which handed it back")
+        self.dependencies_succeeded_before(job.id, job.attempt)
         held.started = True
         if record_start:
             mirror.record(self.database, [_now_record(
                 job, job_state=JobState.RUNNING, worker_id=worker.name,
                 started_at=timezone.now())])
         return True
+
+    def dependencies_succeeded_before(self, job_id: str, attempt: int) -> None:
+        """No dependent starts before every job it waits for succeeded (ended, under "run").
+
+        Excused: a job staff retried or requeued (staff may run it whatever
+        it waits for), and the dependents of an upstream staff moved.
+        """
+        if job_id not in self.upstreams or job_id in self.staff_moved:
+            return
+        upstreams, policy = self.upstreams[job_id]
+        ok = (JobState.SUCCEEDED,) if policy == "cancel" else FINISHED_STATES
+        states = dict(Job.objects.filter(pk__in=upstreams).values_list("pk", "state"))
+        for upstream in upstreams:
+            state = states.get(uuid.UUID(upstream))
+            if state not in ok and upstream not in self.staff_moved:
+                self.fail(f"job {job_id} starts (attempt {attempt}) while job {upstream}, "
+                          f"which it waits for (on_failure={policy}), is {state}")
 
     def apply(self, outcomes: list[FinishedAttempt]) -> None:
         """The finisher's Redis step, after the mirror write (fenced; may be refused).
@@ -389,6 +434,24 @@ class QueueMachine(RuleBasedStateMachine):
         if job.id in self.outlived_a_flush and row is not None and row.generation > job.gen:
             self.stale_incarnation.add(job.id)
         self.backend._push(QUEUE, [job])
+
+    @precondition(lambda self: self.jobs and len(self.jobs) < 6)
+    @rule(picks=st.lists(st.integers(0, 10), min_size=1, max_size=3),
+          policy=st.sampled_from(["cancel", "cancel", "run"]), lose_release=st.booleans())
+    def enqueue_after(self, picks: list[int], policy: str, lose_release: bool) -> None:
+        """A job waiting for up to three jobs (``after=``), in a transaction.
+
+        With ``lose_release`` the push that follows the commit releasing it
+        is lost (its process died in between): reconcile must push it.
+        """
+        upstreams = list(dict.fromkeys(self.jobs[i % len(self.jobs)] for i in picks))
+        with transaction.atomic():
+            result = demo.add.using(after=upstreams, on_failure=policy).enqueue(len(self.jobs), 1)
+        self.jobs.append(result.id)
+        self.out_of_order.add(result.id)
+        self.upstreams[result.id] = (upstreams, policy)
+        if lose_release and Job.objects.get(pk=result.id).state == JobState.WAITING:
+            self.lose_release.add(result.id)
 
     @precondition(lambda self: len(self.jobs) < 6)
     @rule()
@@ -736,6 +799,7 @@ class QueueMachine(RuleBasedStateMachine):
             self.final[job_id] = JobState.CANCELLED
         else:
             # retry: dead -> queued; requeue: cancelled (or scheduled) -> queued.
+            self.staff_moved.add(job_id)
             self.cancelled.discard(job_id)
             self.cancel_lost.discard(job_id)
             self.final.pop(job_id, None)
@@ -873,6 +937,41 @@ class QueueMachine(RuleBasedStateMachine):
             if state in ("queued", "scheduled"):
                 self.fail(f"job {job_id}'s row says {rows[job_id].state} while Redis holds it "
                           f"{state}, to run again")
+
+    @invariant()
+    def waiting_jobs_wait_for_something(self) -> None:
+        """A waiting job waits for exactly its unsettled edges, each of an upstream not ended.
+
+        So none is left waiting once all its dependencies succeeded (the
+        write that ended the last one released it), none misses an end
+        (an edge of an ended upstream is settled by that write), and none
+        waits on after a dependency failed under "cancel" (it was cancelled).
+        """
+        rows = self.rows()
+        edges = list(Dependency.objects.values_list("job_id", "upstream_id", "state",
+                                                    "on_failure"))
+        unsettled: dict[str, int] = {}
+        for job_id, upstream_id, state, policy in edges:
+            job, upstream = str(job_id), str(upstream_id)
+            up = rows.get(upstream)
+            if state == "" and up is not None and up.state in FINISHED_STATES \
+                    and upstream not in self.staff_moved:
+                self.fail(f"job {upstream} ended {up.state} but the edge of job {job} waiting "
+                          "for it was never settled")
+            if state == "":
+                unsettled[job] = unsettled.get(job, 0) + 1
+            elif (state != JobState.SUCCEEDED and policy == "cancel" and job in rows
+                  and rows[job].state == JobState.WAITING):
+                self.fail(f"job {job} still waits although job {upstream} ended {state} "
+                          "(on_failure=cancel)")
+        for job_id, row in rows.items():
+            if row.state != JobState.WAITING:
+                continue
+            if unsettled.get(job_id, 0) == 0:
+                self.fail(f"job {job_id} is left waiting: every job it waits for has ended")
+            if row.waiting_for != unsettled[job_id]:
+                self.fail(f"job {job_id} counts {row.waiting_for} dependencies to wait for, "
+                          f"and has {unsettled[job_id]} unsettled edges")
 
     @invariant()
     def unfinished_rows_are_reachable(self) -> None:
@@ -1095,10 +1194,12 @@ class QueueMachine(RuleBasedStateMachine):
                     self.broker.ack(QUEUE, [job.fence])
             self.finished_rows_stay_finished()
             rows = self.rows()
-            if all(row.state not in UNFINISHED_STATES for row in rows.values()):
+            if all(row.state not in (*UNFINISHED_STATES, JobState.WAITING)
+                   for row in rows.values()):
                 break
+        self.broker.__dict__.pop("enqueue", None)
         for job_id, row in self.rows().items():
-            if row.state in UNFINISHED_STATES:
+            if row.state in (*UNFINISHED_STATES, JobState.WAITING):
                 self.fail(f"job {job_id} is lost: still {row.state} after recovery "
                           f"(attempts {row.attempts}/{row.max_attempts}, gen {row.generation}, "
                           f"Redis {self.job_hashes([job_id])[job_id]})")

@@ -538,6 +538,7 @@ def test_task_get_result_of_another_tasks_job_raises_mismatch(
 @pytest.mark.parametrize(
     ("state", "status"),
     [
+        (JobState.WAITING, TaskResultStatus.READY),
         (JobState.SCHEDULED, TaskResultStatus.READY),
         (JobState.QUEUED, TaskResultStatus.READY),
         (JobState.RUNNING, TaskResultStatus.RUNNING),
@@ -561,7 +562,7 @@ def test_each_job_state_maps_to_its_django_status(
 def test_every_job_state_has_a_mapping() -> None:
     # Then: the parametrised mapping above covers every JobState
     assert {s.value for s in JobState} == {
-        "scheduled", "queued", "running", "succeeded", "dead", "cancelled",
+        "waiting", "scheduled", "queued", "running", "succeeded", "dead", "cancelled",
     }
 
 

@@ -102,6 +102,7 @@ def replay(*steps: Callable[[QueueMachine], object]) -> None:
         machine.unfinished_rows_are_reachable()
         machine.waiting_jobs_wait_at_their_priority()
         machine.waiting_jobs_take_their_turn_in_their_group()
+        machine.waiting_jobs_wait_for_something()
         machine.snoozes_never_bury_a_job()
     machine.teardown()
 

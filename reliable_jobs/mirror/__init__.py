@@ -72,7 +72,7 @@ from django.db.models.functions import Greatest, Now
 from django.utils import timezone
 
 from ..models import UNFINISHED_STATES, Job, JobState
-from . import portable, postgres
+from . import dependencies, portable, postgres
 from .prune import delete_jobs, lock_prunable
 from .reconcile import (
     LOCKED_ELSEWHERE,
@@ -367,12 +367,17 @@ def raise_budgets(using: str, budgets: dict[str, int]) -> None:
 
 
 def bury(using: str, job_id: str, *, attempts: int, gen: int, error: str) -> None:
-    """Mirror a death Redis already recorded (for example by recover), fenced."""
-    Job.objects.using(using).filter(pk=job_id, state__in=UNFINISHED_STATES, generation=gen,
-                                    attempts__lte=attempts).update(
-        state=JobState.DEAD, attempts=Greatest("attempts", attempts), last_error=error,
-        finished_at=timezone.now(), updated_at=Now(),
-    )
+    """Mirror a death Redis already recorded (for example by recover), fenced.
+
+    The job's dependents are settled in the same transaction.
+    """
+    with transaction.atomic(using=using):
+        if Job.objects.using(using).filter(
+                pk=job_id, state__in=UNFINISHED_STATES, generation=gen,
+                attempts__lte=attempts).update(
+                state=JobState.DEAD, attempts=Greatest("attempts", attempts), last_error=error,
+                finished_at=timezone.now(), updated_at=Now()):
+            dependencies.settle(using, [job_id])
 
 
 # -- staff actions (staff.py) ---------------------------------------------
@@ -406,9 +411,15 @@ def mark_queued_again(using: str, job: Job, *, max_attempts: int,
 
 
 def mark_cancelled(using: str, job_id: Any) -> None:
-    """Mirror a cancel Redis already applied (the job was taken off its list)."""
-    Job.objects.using(using).filter(pk=job_id).update(
-        state=JobState.CANCELLED, finished_at=timezone.now(), updated_at=Now())
+    """Mirror a cancel Redis already applied (or of a waiting job, which Redis never had).
+
+    The job's dependents are settled in the same transaction (by default
+    they are cancelled too).
+    """
+    with transaction.atomic(using=using):
+        Job.objects.using(using).filter(pk=job_id).update(
+            state=JobState.CANCELLED, finished_at=timezone.now(), updated_at=Now())
+        dependencies.settle(using, [str(job_id)])
 
 
 def mark_priority(using: str, job_id: Any, priority: int) -> None:

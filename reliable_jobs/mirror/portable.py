@@ -24,6 +24,7 @@ from django.utils import timezone
 
 from ..faults import stop_point
 from ..models import UNFINISHED_STATES, Attempt, AttemptOutcome, Job, JobState
+from . import dependencies
 from .records import (
     ABANDONED_ERROR,
     FINISHED_STATES,
@@ -33,6 +34,7 @@ from .records import (
     NewJobs,
     NewRow,
     chunks,
+    ended_ids,
     mark_cancelled_attempts,
 )
 
@@ -119,6 +121,8 @@ def write_batch(using: str, merged: Sequence[AttemptRecord],
                 closing |= Q(job_id=rec.job_id, number__lt=rec.attempt)
             Attempt.objects.using(using).filter(closing, outcome="").update(
                 outcome=AttemptOutcome.LEASE_EXPIRED, finished_at=now, error=ABANDONED_ERROR)
+        # Workflows: the dependents of the jobs this batch ended, in this transaction.
+        dependencies.settle(using, ended_ids(newest.values()))
         raise_snoozed_budgets(using, newest.values())
 
 

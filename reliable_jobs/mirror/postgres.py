@@ -28,6 +28,7 @@ from django.db.backends.utils import CursorWrapper
 
 from ..faults import stop_point
 from ..models import UNFINISHED_STATES, Attempt, Job
+from . import dependencies
 from .portable import raise_snoozed_budgets
 from .records import (
     ABANDONED_ERROR,
@@ -36,6 +37,7 @@ from .records import (
     NewJobs,
     NewRow,
     chunks,
+    ended_ids,
     mark_cancelled_attempts,
 )
 
@@ -341,6 +343,8 @@ def write_batch(using: str, merged: Sequence[AttemptRecord],
                                              _joined_text([r.job_id for r in retried]),
                                              _joined_ints([r.attempt for r in retried]),
                                              _joined_ints([r.gen for r in retried])])
+        # Workflows: the dependents of the jobs this batch ended, in this transaction.
+        dependencies.settle(using, ended_ids(jobs))
         raise_snoozed_budgets(using, jobs)
 
 

@@ -114,14 +114,23 @@ class NewJobs:
     run_after: datetime | None
     enqueued_at: datetime
     rows: Iterable[NewRow]
+    #: Dependencies each row waits for (a workflow's dependent jobs): 0 for a
+    #: job that may run at once.
+    waiting_for: int = 0
+    #: The workflow the rows belong to (its id), or None.
+    workflow_id: str | None = None
 
     @classmethod
     def at(cls, now: datetime, *, backend: str, queue: str, task_path: str, priority: int,
-           max_attempts: int, run_after: datetime | None, rows: Iterable[NewRow]) -> NewJobs:
-        """The rows of an enqueue at ``now``, queued or scheduled (:func:`new_state`)."""
+           max_attempts: int, run_after: datetime | None, rows: Iterable[NewRow],
+           waiting_for: int = 0, workflow_id: str | None = None) -> NewJobs:
+        """The rows of an enqueue at ``now``: waiting while they have dependencies,
+        else queued or scheduled (:func:`new_state`)."""
+        state = JobState.WAITING if waiting_for else new_state(run_after, now)
         return cls(backend=backend, queue=queue, task_path=task_path, priority=priority,
-                   state=new_state(run_after, now), max_attempts=max_attempts,
-                   run_after=run_after, enqueued_at=now, rows=rows)
+                   state=state, max_attempts=max_attempts, run_after=run_after,
+                   enqueued_at=now, rows=rows, waiting_for=waiting_for,
+                   workflow_id=workflow_id)
 
     def shared(self) -> tuple[tuple[str, Any], ...]:
         """Every column the rows share, as (name, value) pairs: with NewRow, a new job's columns.
@@ -134,7 +143,17 @@ class NewJobs:
         return (("backend", self.backend), ("queue", self.queue), ("task_path", self.task_path),
                 ("priority", self.priority), ("state", self.state), ("attempts", 0),
                 ("generation", 0), ("max_attempts", self.max_attempts),
-                ("run_after", self.run_after), ("last_error", ""))
+                ("run_after", self.run_after), ("last_error", ""),
+                ("waiting_for", self.waiting_for), ("workflow_id", self.workflow_id))
+
+
+def ended_ids(records: Iterable[AttemptRecord]) -> list[str]:
+    """The jobs that ``records`` end (succeeded, dead or cancelled): whose dependents to settle.
+
+    A record the fences refused settles nothing wrongly: settling reads the
+    rows, and only edges of a job whose row has ended move.
+    """
+    return [rec.job_id for rec in records if rec.job_state in FINISHED_STATES]
 
 
 def expired_record(job_id: str, attempts: int, *, dead: bool, error: str,

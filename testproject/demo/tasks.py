@@ -168,6 +168,10 @@ def leave_a_thread(seconds: float) -> None:
                      daemon=False).start()  # not inherited from the daemon executor thread
 
 
+@task
+def total(values: list[Any], extra: int = 0) -> int:
+    """Sum ``values`` (a chord's results) plus ``extra``: a workflow's fan-in step."""
+    return sum(v for v in values if isinstance(v, int)) + extra
 @task(takes_context=True, max_attempts=1)
 def snooze_then_add(context: TaskContext[..., Any], times: int, a: int, b: int,
                     delay_ms: int = 0) -> int:
