@@ -174,7 +174,7 @@ class ReliableJobsBackend(BaseTaskBackend):
         """The one enqueue: rows into the mirror, pushes on commit, results, signals."""
         self._raise_if_misconfigured()  # first: E009 before any model import
         if getattr(task, "after", ()) and not waiting_for:  # it waits for jobs: workflows.py
-            return cast(Results, canvas.ENQUEUE["after"](self, task, calls, trace))
+            return cast(Results, canvas.writer("after")(self, task, calls, trace))
         self.validate_task(task)
         ensure_reachable(task)
         from . import mirror  # not at module level: see the module docstring

@@ -208,8 +208,18 @@ def _enqueue(part: Part | DAG, name: str) -> WorkflowHandle:
     """Compile ``part`` and give it to the backend of its first task."""
     plan = compile_plan(part)
     backend = task_backends[plan.nodes[0].call.task.backend]
-    if not hasattr(backend, "parts") or "plan" not in ENQUEUE:
+    if not hasattr(backend, "parts"):
         raise InvalidTask(f"Backend {backend.alias!r} cannot enqueue workflows: use "
                           "reliable_jobs' backend, with 'reliable_jobs' in INSTALLED_APPS.")
-    result: WorkflowHandle = ENQUEUE["plan"](backend, plan, name=name)
+    result: WorkflowHandle = writer("plan")(backend, plan, name=name)
     return result
+
+
+def writer(kind: str) -> Callable[..., Any]:
+    """The workflow writer ``kind`` of :data:`ENQUEUE`, or InvalidTask saying what is missing."""
+    try:
+        return ENQUEUE[kind]
+    except KeyError:
+        raise InvalidTask("Jobs that wait for others (workflows, after=) need 'reliable_jobs' "
+                          "in INSTALLED_APPS: its app config registers how they are "
+                          "written.") from None

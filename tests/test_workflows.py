@@ -362,3 +362,19 @@ def test_the_admin_shows_a_workflows_progress_and_what_each_job_waits_for(
     assert short_id(a.id) in waits and short_id(b.id) in waits
     assert jobs.status_code == 200
     assert short_id(callback.id) in jobs.content.decode()
+
+
+def test_without_the_app_config_a_waiting_job_gets_a_clear_error_and_writes_nothing(
+        rj_settings: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given: the workflow writers never registered (reliable_jobs not in INSTALLED_APPS)
+    rj_settings()
+    from reliable_jobs import canvas
+    monkeypatch.setattr(canvas, "ENQUEUE", {})
+    first = demo.add.enqueue(1, 2)
+
+    # When/Then: a job that waits for another, and a chain, are refused with the fix
+    with pytest.raises(InvalidTask, match="INSTALLED_APPS"):
+        demo.add.using(after=[first]).enqueue(3, 4)
+    with pytest.raises(InvalidTask, match="INSTALLED_APPS"):
+        chain(demo.add.s(1, 2), demo.add.s(3, 4)).enqueue()
+    assert Job.objects.count() == 1
