@@ -9,6 +9,7 @@ itself, to say what started when.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Iterator
@@ -29,6 +30,7 @@ from reliable_jobs.sweep import Sweep
 from reliable_jobs.worker import Worker
 
 from .helpers import REDIS_URL, Processes, backdate, wait_until, worker_in_thread
+from .test_admin import staff_client
 
 Q = "work"
 PAYLOAD = '{"task":"tests.tasks.noop_task","args":[],"kwargs":{}}'
@@ -361,3 +363,67 @@ def test_real_workers_stop_at_the_pause_and_start_again_at_the_resume(
     wait_until(lambda: Job.objects.filter(state=JobState.SUCCEEDED).count() == 400,
                timeout=60, message="every job to succeed")
     processes.stop_many(*workers)
+
+
+# -- the admin and jobstats -----------------------------------------------------------
+
+DASHBOARD = "/admin/reliable_jobs/job/dashboard/default/"
+PAUSE_URL = "/admin/reliable_jobs/job/dashboard/default/pause/"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_staff_with_the_permission_pause_and_resume_from_the_dashboard(
+        rj_settings: Any, django_user_model: Any) -> None:
+    # Given staff who may view jobs and pause queues
+    rj_settings(queues=["default", "emails"])
+    client = staff_client(django_user_model, "view_job", "pause_queue")
+    assert 'value="pause"' in client.get(DASHBOARD).content.decode()
+
+    # When they pause a queue from the dashboard
+    response = client.post(PAUSE_URL, {"queue": "emails", "action": "pause"}, follow=True)
+
+    # Then it is paused, by them, and the dashboard says so with a Resume button
+    said = [str(m) for m in response.context["messages"]]
+    assert said == ["Paused queue 'emails': no job of it starts from now on; jobs already "
+                    "running finish."]
+    assert QueuePause.objects.get().paused_by == "staff"
+    page = response.content.decode()
+    assert "paused" in page and "drained: nothing runs" in page and 'value="resume"' in page
+
+    # And resuming works the same way; an unknown queue is a message, not an error page
+    client.post(PAUSE_URL, {"queue": "emails", "action": "resume"})
+    assert not QueuePause.objects.exists()
+    response = client.post(PAUSE_URL, {"queue": "nope", "action": "pause"}, follow=True)
+    said = [str(m) for m in response.context["messages"]]
+    assert any("'nope' is not served by task backend 'default'" in m for m in said), said
+
+
+@pytest.mark.django_db(transaction=True)
+def test_pausing_from_the_admin_needs_its_own_permission(
+        rj_settings: Any, django_user_model: Any) -> None:
+    # Given staff who may do every job action but not pause
+    rj_settings()
+    client = staff_client(django_user_model, "view_job", "retry_job", "cancel_job",
+                          "requeue_job", "reprioritize_job")
+
+    # Then the dashboard offers no button, and a forged post is refused
+    assert 'value="pause"' not in client.get(DASHBOARD).content.decode()
+    assert client.post(PAUSE_URL, {"queue": "default", "action": "pause"}).status_code == 403
+    assert client.get(PAUSE_URL).status_code == 405
+    assert not QueuePause.objects.exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_jobstats_shows_the_paused_queues(rj_settings: Any) -> None:
+    rj_settings(queues=["default", "emails"])
+    task_backends["default"].pause_queue("emails", by="ops")
+    out = StringIO()
+    call_command("jobstats", stdout=out)
+    assert "Paused queues (no job of them starts; resume with resumequeue):" in out.getvalue()
+    assert "  emails  since " in out.getvalue() and " by ops  drained, nothing runs" in (
+        out.getvalue())
+    out = StringIO()
+    call_command("jobstats", "--json", stdout=out)
+    queues = {q["name"]: q for q in json.loads(out.getvalue())["queues"]}
+    assert queues["default"]["paused"] is None
+    assert queues["emails"]["paused"]["drained"] and queues["emails"]["paused"]["by"] == "ops"
