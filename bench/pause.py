@@ -43,9 +43,9 @@ OPTIONS = {"LEASE_MS": 2_000, "RENEW_INTERVAL_MS": 500, "SWEEP_INTERVAL_MS": 500
 
 def child_env(ledger: str) -> dict[str, str]:
     env = dict(os.environ)
-    env.update({"RJ_QUEUES": f"default,{QUEUE}", "RJ_PREFIX": PREFIX, "RJ_OPTIONS": json.dumps(OPTIONS),
-                "PYTHONUNBUFFERED": "1", "RJ_LOG_LEVEL": "WARNING",
-                "RJ_CHAOS_LEDGER": ledger})
+    env.update({"RJ_QUEUES": f"default,{QUEUE}", "RJ_PREFIX": PREFIX,
+                "RJ_OPTIONS": json.dumps(OPTIONS), "PYTHONUNBUFFERED": "1",
+                "RJ_LOG_LEVEL": "WARNING", "RJ_CHAOS_LEDGER": ledger})
     return env
 
 
@@ -77,6 +77,7 @@ def main() -> None:
     django.setup()
     from django.core.management import call_command
 
+    from reliable_jobs import pausing
     from reliable_jobs.compat import task_backends
     from reliable_jobs.contrib.verify.chaos_ledger import read_ledger
     from reliable_jobs.contrib.verify.tasks import chaos_job
@@ -128,7 +129,7 @@ def main() -> None:
             time.sleep(0.1)  # runs are flowing again
             flush = bool(flush_every) and n % flush_every == flush_every - 1 \
                 and len(flushed) < args.flushes
-            backend.pause_queue(QUEUE, by="bench/pause.py")
+            pausing.pause_queue(QUEUE, by="bench/pause.py")
             returned = time.time()
             if flush:
                 client.flushdb()  # the bench's own index only: checked above
@@ -141,7 +142,7 @@ def main() -> None:
             (flushed if flush else plain).append(worst_ms)
             print(f"pause {n + 1:3d}{' (FLUSHDB + reconcile)' if flush else ''}: latest start "
                   f"{worst_ms:.1f} ms after the pause returned ({len(late)} late)", flush=True)
-            backend.resume_queue(QUEUE)
+            pausing.resume_queue(QUEUE)
             wait_for_runs_after(time.time())
     finally:
         for proc in procs:

@@ -52,7 +52,6 @@ from .tasks import ReliableTask, lookup, rebuilt_flow
 if TYPE_CHECKING:
     from .mirror import NewRow
     from .models import Job
-    from .pausing import PauseState
     from .staff import StaffResult
 
 logger = logging.getLogger("reliable_jobs")
@@ -262,43 +261,6 @@ class ReliableJobsBackend(BaseTaskBackend):
         if not Job.objects.using(self.database).filter(pk=job_id, backend=self.alias).exists():
             raise TaskResultDoesNotExist(result_id)
         return staff.cancel(self.parts, job_id)
-
-    # -- pause, resume, drain ------------------------------------------------
-
-    def pause_queue(self, queue: str, *, by: str = "") -> bool:
-        """Pause ``queue`` on every shard: once this returns, no attempt of it starts.
-
-        Jobs already running finish; jobs claimed but not started are handed
-        back. Workers need no restart or signal: the claim and start scripts
-        read the pause. Returns True when the queue was running before.
-        Raises ``pausing.UnknownQueue`` (a ValueError) for a queue this
-        backend does not serve. See docs/howto/flow-control.md.
-        """
-        from . import pausing
-
-        return pausing.pause(self.parts, queue, by=by)
-
-    def resume_queue(self, queue: str) -> bool:
-        """Resume a paused ``queue``; True when it was paused."""
-        from . import pausing
-
-        return pausing.resume(self.parts, queue)
-
-    def drain_queue(self, queue: str, *, timeout_s: float, by: str = "") -> PauseState:
-        """Pause ``queue``, then wait (at most ``timeout_s``) until none of its jobs runs.
-
-        The returned state's ``drained`` says whether nothing was left
-        running; the queue stays paused either way.
-        """
-        from . import pausing
-
-        return pausing.drain(self.parts, queue, timeout_s=timeout_s, by=by)
-
-    def queue_pauses(self, queues: list[str] | None = None) -> list[PauseState]:
-        """Each queue's pause state: paused or not, since when, jobs running."""
-        from . import pausing
-
-        return pausing.status(self.parts, queues)
 
     # -- checks ------------------------------------------------------------
 

@@ -16,9 +16,9 @@ before it. A pause whose commit fails after its flags were set leaves the
 queue paused in Redis only: the caller got the error, and a resume clears
 it (resume removes the flags whether or not a row exists).
 
-This module takes ``backend.parts``, not the backend (see parts.py); the
-public entry points are the backend's ``pause_queue``, ``resume_queue``,
-``drain_queue`` and ``queue_pauses``.
+The public functions (:func:`pause_queue`, :func:`resume_queue`,
+:func:`drain_queue`, :func:`queue_pauses`) name a backend by its TASKS
+alias; the rest take ``backend.parts`` (see parts.py), as the sweep does.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 from django.db import transaction
 from django.utils import timezone
 
+from .compat import DEFAULT_TASK_BACKEND_ALIAS
 from .models import QueuePause
 
 if TYPE_CHECKING:
@@ -178,3 +179,46 @@ def restore(parts: BackendParts, queues: list[str]) -> int:
                     restored += 1
     return restored
 
+
+
+# -- the public functions -------------------------------------------------------------
+
+
+def _parts(alias: str) -> BackendParts:
+    from .backend import find_backend  # the backend imports the sweep, which imports this
+
+    return find_backend(alias).parts
+
+
+def pause_queue(queue: str, *, backend: str = DEFAULT_TASK_BACKEND_ALIAS, by: str = "") -> bool:
+    """Pause ``queue`` of the backend ``TASKS[backend]`` on every shard; see :func:`pause`.
+
+    Once it returns, no attempt of the queue starts: claims take nothing and
+    jobs claimed but not started are handed back. Jobs already running
+    finish. True when the queue was running before. Raises
+    :class:`UnknownQueue` (a ValueError) for a queue the backend does not
+    serve, ``backend.BackendNotFound`` for an alias that is no
+    reliable_jobs backend.
+    """
+    return pause(_parts(backend), queue, by=by)
+
+
+def resume_queue(queue: str, *, backend: str = DEFAULT_TASK_BACKEND_ALIAS) -> bool:
+    """Resume a paused ``queue``: workers claim its jobs again at once. True when it was paused."""
+    return resume(_parts(backend), queue)
+
+
+def drain_queue(queue: str, *, timeout_s: float, backend: str = DEFAULT_TASK_BACKEND_ALIAS,
+                by: str = "") -> PauseState:
+    """Pause ``queue``, then wait (at most ``timeout_s``) until none of its jobs runs.
+
+    The state returned says ``drained`` when nothing was left running; the
+    queue stays paused either way.
+    """
+    return drain(_parts(backend), queue, timeout_s=timeout_s, by=by)
+
+
+def queue_pauses(queues: list[str] | None = None, *,
+                 backend: str = DEFAULT_TASK_BACKEND_ALIAS) -> list[PauseState]:
+    """Each queue's state (every queue of the backend when None): paused, since, running."""
+    return status(_parts(backend), queues)

@@ -16,7 +16,7 @@ from django.db import DatabaseError
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseNotAllowed
 from django.shortcuts import redirect
 
-from . import changelist
+from . import changelist, pausing
 from .broker import REDIS_ERRORS
 from .pausing import UnknownQueue
 
@@ -46,12 +46,12 @@ def pause_view(model_admin: Any, request: HttpRequest, alias: str) -> HttpRespon
     back = redirect(f"{model_admin.admin_site.name}:{dashboard_name(model_admin)}", alias)
     try:
         if action == "pause":
-            done = backend.pause_queue(queue, by=request.user.get_username())
+            done = pausing.pause(backend.parts, queue, by=request.user.get_username())
             messages.success(request, f"Paused queue {queue!r}: no job of it starts from now "
                              "on; jobs already running finish." if done
                              else f"Queue {queue!r} was already paused.")
         elif action == "resume":
-            done = backend.resume_queue(queue)
+            done = pausing.resume(backend.parts, queue)
             messages.success(request, f"Resumed queue {queue!r}." if done
                              else f"Queue {queue!r} was not paused.")
         else:

@@ -164,17 +164,17 @@ def test_pause_is_kept_in_the_database_and_resume_removes_it(rj_settings: Any) -
     rj_settings(queues=["default", "emails"])
     backend = task_backends["default"]
 
-    assert backend.pause_queue("emails", by="alice")
-    assert not backend.pause_queue("emails")
+    assert pausing.pause_queue("emails", by="alice")
+    assert not pausing.pause_queue("emails")
     row = QueuePause.objects.get()
     assert (row.backend, row.queue, row.paused_by) == ("default", "emails", "alice")
-    states = {s.queue: s for s in backend.queue_pauses()}
+    states = {s.queue: s for s in pausing.queue_pauses()}
     assert states["emails"].paused and states["emails"].drained
     assert (states["emails"].flagged, states["emails"].shards) == (1, 1)
     assert not states["default"].paused
 
-    assert backend.resume_queue("emails")
-    assert not backend.resume_queue("emails")
+    assert pausing.resume_queue("emails")
+    assert not pausing.resume_queue("emails")
     assert not QueuePause.objects.exists()
     assert backend.broker.paused_since(["emails"]) == {}
 
@@ -183,7 +183,7 @@ def test_pause_is_kept_in_the_database_and_resume_removes_it(rj_settings: Any) -
 def test_an_unknown_queue_is_refused_with_the_queues_served(rj_settings: Any) -> None:
     rj_settings(queues=["default", "emails"])
     with pytest.raises(pausing.UnknownQueue, match="its queues are: default, emails"):
-        task_backends["default"].pause_queue("nope")
+        pausing.pause_queue("nope")
     assert not QueuePause.objects.exists()
 
 
@@ -194,7 +194,7 @@ def test_every_shard_of_a_sharded_queue_is_paused(rj_settings: Any) -> None:
     backend = task_backends["default"]
 
     # When it is paused, then every shard carries the flag and claims nothing
-    backend.pause_queue("default")
+    pausing.pause_queue("default")
     shards = ["default", "default#1", "default#2"]
     assert sorted(backend.broker.paused_since(shards)) == shards
     for shard in shards:
@@ -202,7 +202,7 @@ def test_every_shard_of_a_sharded_queue_is_paused(rj_settings: Any) -> None:
         assert backend.broker.claim(shard, count=5, lease_ms=60_000).paused
 
     # And resume clears them all
-    backend.resume_queue("default")
+    pausing.resume_queue("default")
     assert backend.broker.paused_since(shards) == {}
 
 
@@ -213,7 +213,7 @@ def test_a_pause_survives_a_flush_the_sweep_puts_it_back_before_reconcile_pushes
     rj_settings()
     backend = task_backends["default"]
     result = chaos_job.using(backend="default").enqueue(0.0)
-    backend.pause_queue("default")
+    pausing.pause_queue("default")
     backdate(str(result.id))  # past RECONCILE_GRACE_MS
 
     # When Redis loses everything (FLUSHDB on the suite's own index) and
@@ -238,8 +238,8 @@ def test_a_pause_survives_a_flush_the_sweep_puts_it_back_before_reconcile_pushes
 def test_the_sweep_never_puts_back_a_flag_a_resume_removed(rj_settings: Any) -> None:
     rj_settings()
     backend = task_backends["default"]
-    backend.pause_queue("default")
-    backend.resume_queue("default")
+    pausing.pause_queue("default")
+    pausing.resume_queue("default")
     assert Sweep(backend.parts).redis_pass().repaused == 0
     assert backend.broker.paused_since(["default"]) == {}
 
@@ -312,7 +312,7 @@ def test_prefetched_jobs_of_a_worker_do_not_start_after_the_pause(
                    message="the others to be claimed ahead")
 
         # When the queue is paused while they wait in the worker's hand
-        backend.pause_queue("default")
+        pausing.pause_queue("default")
         paused_at = time.time()
 
         # Then once the running job ends, none of them starts, and each is back on queued
@@ -324,7 +324,7 @@ def test_prefetched_jobs_of_a_worker_do_not_start_after_the_pause(
 
         # And after the resume each runs once, the attempt it was handed back
         # with given back (its budget one higher: attempt numbers never go down)
-        backend.resume_queue("default")
+        pausing.resume_queue("default")
         wait_until(lambda: Job.objects.filter(state=JobState.SUCCEEDED).count() == 6,
                    timeout=20, message="every job to succeed")
     assert len(read_ledger(tmp_path).runs) == 6
@@ -347,7 +347,7 @@ def test_real_workers_stop_at_the_pause_and_start_again_at_the_resume(
                message="jobs to run")
 
     # When the queue is paused
-    backend.pause_queue("default")
+    pausing.pause_queue("default")
     paused_at = time.time()
     time.sleep(1.0)
 
@@ -359,7 +359,7 @@ def test_real_workers_stop_at_the_pause_and_start_again_at_the_resume(
     assert done < 400
 
     # And after the resume the rest runs
-    backend.resume_queue("default")
+    pausing.resume_queue("default")
     wait_until(lambda: Job.objects.filter(state=JobState.SUCCEEDED).count() == 400,
                timeout=60, message="every job to succeed")
     processes.stop_many(*workers)
@@ -416,7 +416,7 @@ def test_pausing_from_the_admin_needs_its_own_permission(
 @pytest.mark.django_db(transaction=True)
 def test_jobstats_shows_the_paused_queues(rj_settings: Any) -> None:
     rj_settings(queues=["default", "emails"])
-    task_backends["default"].pause_queue("emails", by="ops")
+    pausing.pause_queue("emails", by="ops")
     out = StringIO()
     call_command("jobstats", stdout=out)
     assert "Paused queues (no job of them starts; resume with resumequeue):" in out.getvalue()

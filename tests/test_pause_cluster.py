@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from reliable_jobs import pausing
 from reliable_jobs.broker import Applied, NewJob
 from reliable_jobs.compat import task_backends
 from reliable_jobs.keys import QueueKeys
@@ -53,7 +54,7 @@ def test_every_shard_is_paused_on_its_own_master_and_a_flush_is_repaired(
         broker.enqueue(shard, [NewJob(f"waiting-{shard}", PAYLOAD, 3)])
 
     # When the queue is paused
-    assert backend.pause_queue("default")
+    assert pausing.pause_queue("default")
 
     # Then every shard's flag is set, no claim takes a job, and no claim in
     # flight starts
@@ -68,5 +69,5 @@ def test_every_shard_is_paused_on_its_own_master_and_a_flush_is_repaired(
     assert sorted(broker.paused_since(SHARDS)) == SHARDS
 
     # And a resume clears every shard
-    assert backend.resume_queue("default")
+    assert pausing.resume_queue("default")
     assert broker.paused_since(SHARDS) == {}

@@ -37,7 +37,8 @@
 ]]
 local leases_key = KEYS[1]
 local job_prefix = KEYS[2]
-local paused = redis.call('EXISTS', KEYS[3]) == 1
+local paused_key = KEYS[3]
+local paused = redis.call('EXISTS', paused_key) == 1
 
 --- @include "fence"
 

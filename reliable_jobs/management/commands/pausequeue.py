@@ -51,7 +51,7 @@ class Command(ReliableJobsCommand):
     def handle_backend(self, backend: ReliableJobsBackend, options: dict[str, Any]) -> None:
         queues = known_queues(backend, options["queues"])
         for queue in queues:
-            was_running = backend.pause_queue(queue, by="manage.py pausequeue")
+            was_running = pausing.pause(backend.parts, queue, by="manage.py pausequeue")
             self.stdout.write(f"Paused queue {queue!r}." if was_running
                               else f"Queue {queue!r} was already paused.")
         if not options["drain"]:

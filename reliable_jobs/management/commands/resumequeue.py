@@ -10,6 +10,7 @@ from typing import Any
 
 from django.core.management.base import CommandParser
 
+from reliable_jobs import pausing
 from reliable_jobs.backend import ReliableJobsBackend
 from reliable_jobs.management.base import ReliableJobsCommand
 from reliable_jobs.management.commands.pausequeue import known_queues
@@ -24,5 +25,5 @@ class Command(ReliableJobsCommand):
 
     def handle_backend(self, backend: ReliableJobsBackend, options: dict[str, Any]) -> None:
         for queue in known_queues(backend, options["queues"]):
-            self.stdout.write(f"Resumed queue {queue!r}." if backend.resume_queue(queue)
+            self.stdout.write(f"Resumed queue {queue!r}." if pausing.resume(backend.parts, queue)
                               else f"Queue {queue!r} was not paused.")
