@@ -52,7 +52,7 @@ class Lifecycle(BrokerCore):
         any number of queues); the caller then claims from the queue named.
         A queue whose last claim found it paused is waited on by its marker
         too (a BLMOVE would take the jobs it may not run, again and again),
-        which resume.lua pushes when work waits.
+        which pause.lua pushes on resume when work waits.
         Returns ``(queue, moved id or None)``, or None on timeout.
         """
         client = self._blocking_client()
