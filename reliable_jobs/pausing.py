@@ -166,10 +166,12 @@ def restore(parts: BackendParts, queues: list[str]) -> int:
     pause the queue again.
     """
     database = parts.config.DATABASE
+    paused = QueuePause.objects.using(database).filter(backend=parts.alias, queue__in=queues)
+    if not paused.exists():  # the usual case: one cheap query, no transaction
+        return 0
     restored = 0
     with transaction.atomic(using=database):
-        rows = list(QueuePause.objects.using(database).select_for_update(skip_locked=True)
-                    .filter(backend=parts.alias, queue__in=queues))
+        rows = list(paused.select_for_update(skip_locked=True))
         for row in rows:
             shards = _shards(parts, row.queue)
             flagged = parts.broker.paused_since(shards)

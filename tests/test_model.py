@@ -25,6 +25,10 @@ docs/explanation/guarantees.md and docs/design.md:
 - a claim whose lease ran out is not started; a job handed back by a
   stopping worker does not start elsewhere while that worker still runs
   it; an equal call of a unique task is not merged into a job that began;
+- while the queue is paused and its flag is in Redis, no claim hands out a
+  job and no claimed job starts (one claimed before the pause is handed back
+  unstarted), and after Redis lost the flag a sweep pass or reconcile puts
+  it back;
 
 and, at the end of each example, that once every fault stops and the
 sweep, reconcile and a fresh worker have run, every job is succeeded, dead
@@ -39,8 +43,9 @@ acted in Redis (a worker batch, reconcile, every staff action); a push is
 late (a producer's on-commit push, held across steps) or slow (a rebuild's
 push, overtaken by the job's late push or by a loss of Redis data); staff
 cancel and reprioritize one job at once; unique calls arrive while their
-job runs. Time passes only when a step says so (the machine moves every
-deadline Redis holds), so a replayed program does what it did.
+job runs; staff pause and resume the queue. Time passes only when a step
+says so (the machine moves every deadline Redis holds), so a replayed
+program does what it did.
 
 The helpers a reader needs to replay a failure by hand live in
 ``tests/model_helpers.py``.
