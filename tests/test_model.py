@@ -363,3 +363,22 @@ def test_a_claim_whose_lease_expired_is_not_started(model_settings: None) -> Non
         lambda m: m.pause(),
         lambda m: m.start(index=0, record_start=True),
     )
+
+
+def test_a_claim_in_flight_when_the_pause_returned_does_not_start(model_settings: None) -> None:
+    """A worker claims a job, the queue is paused, then the worker marks it started:
+    the claim ran before the pause, so only the start can keep the promise that
+    no attempt starts after a pause returned; the job is handed back unstarted,
+    and after Redis loses everything the sweep pauses the queue again before
+    reconcile pushes the job back. (start.lua did not read the pause flag.)"""
+    replay(
+        lambda m: m.enqueue(deferred=False, late=False),
+        lambda m: m.claim(k=0, count=1, start=False),
+        lambda m: m.pause_queue(),
+        lambda m: m.start(index=0, record_start=True),
+        lambda m: m.flush_redis(),
+        lambda m: m.reconcile(),
+        lambda m: m.claim(k=1, count=1, start=True),
+        lambda m: m.resume_queue(),
+        lambda m: m.claim(k=1, count=1, start=True),
+    )
