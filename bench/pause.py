@@ -68,6 +68,8 @@ def main() -> None:
                         help="How long after each pause to look for late starts.")
     args = parser.parse_args()
 
+    # A SIGTERM ends the run through its finally (the workers are stopped).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ledger = tempfile.mkdtemp(prefix="pausebench-ledger-")
     os.environ.update(child_env(ledger))
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "testproject.settings")

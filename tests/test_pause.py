@@ -358,6 +358,13 @@ def test_real_workers_stop_at_the_pause_and_start_again_at_the_resume(
     done = len(read_ledger(tmp_path).runs)
     assert done < 400
 
+    # And a drain returns once nothing runs: every run the ledger has ended by then
+    state = pausing.drain_queue("default", timeout_s=10)
+    drained_at = time.time()
+    assert state.drained
+    assert all(run.end is not None and run.end <= drained_at
+               for run in read_ledger(tmp_path).runs)
+
     # And after the resume the rest runs
     pausing.resume_queue("default")
     wait_until(lambda: Job.objects.filter(state=JobState.SUCCEEDED).count() == 400,
