@@ -10,6 +10,7 @@ itself, to say what started when.
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import Iterator
@@ -297,7 +298,8 @@ def test_pausequeue_drain_waits_for_running_jobs_and_says_when_it_gave_up(
 
 @pytest.mark.django_db(transaction=True)
 def test_prefetched_jobs_of_a_worker_do_not_start_after_the_pause(
-        rj_settings: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        rj_settings: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        app_log: list[logging.LogRecord]) -> None:
     # Given a worker with one thread that claims ahead (prefetch): one job
     # runs for a while, the next ones wait in its hand, claimed
     rj_settings(PREFETCH=8, LEASE_MS=5_000, RECONCILE_GRACE_MS=5_000)
@@ -328,6 +330,12 @@ def test_prefetched_jobs_of_a_worker_do_not_start_after_the_pause(
         wait_until(lambda: Job.objects.filter(state=JobState.SUCCEEDED).count() == 6,
                    timeout=20, message="every job to succeed")
     assert len(read_ledger(tmp_path).runs) == 6
+    # (the worker said so, once each way)
+    said = [r.getMessage() for r in app_log if r.getMessage() in (
+        "Queue 'default' is paused: claiming none of its jobs until it is resumed.",
+        "Queue 'default' is resumed.")]
+    assert said == ["Queue 'default' is paused: claiming none of its jobs until it is resumed.",
+                    "Queue 'default' is resumed."]
     charged = {str(job.pk): job.attempts - (job.max_attempts - budgets[job.pk])
                for job in Job.objects.all()}
     assert set(charged.values()) == {1}, charged
