@@ -696,7 +696,10 @@ class QueueMachine(RuleBasedStateMachine):
                     raise
                 return
         self.cancel_lost.clear()
-        self.pause_is_back("reconcile")
+        if slow_push != "flush_first":
+            # (Redis losing everything again during the pass, after reconcile put
+            # the flag back, is a new loss: the next sweep pass puts it back.)
+            self.pause_is_back("reconcile")
 
     def slowly(self, slow_push: str | None) -> AbstractContextManager[object]:
         """Make the next rebuild push slow: before it lands, the job's own on-commit

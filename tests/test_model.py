@@ -382,3 +382,18 @@ def test_a_claim_in_flight_when_the_pause_returned_does_not_start(model_settings
         lambda m: m.resume_queue(),
         lambda m: m.claim(k=1, count=1, start=True),
     )
+
+
+def test_a_flush_during_reconcile_leaves_the_pause_to_the_next_sweep_pass(
+        model_settings: None) -> None:
+    """Redis loses everything once the queue is paused, and again while reconcile
+    pushes (after it put the flag back): the flag is lost a second time, and the
+    next sweep pass puts it back before any claim may take a pushed job."""
+    replay(
+        lambda m: m.first_jobs(deferred=[False]),
+        lambda m: m.pause_queue(),
+        lambda m: m.flush_redis(),
+        lambda m: m.reconcile(commit_fails=False, slow_push="flush_first"),
+        lambda m: m.sweep(expire=False, stall=False, crash=False),
+        lambda m: m.claim(k=0, count=1, start=True),
+    )
