@@ -397,3 +397,19 @@ def test_a_flush_during_reconcile_leaves_the_pause_to_the_next_sweep_pass(
         lambda m: m.sweep(expire=False, stall=False, crash=False),
         lambda m: m.claim(k=0, count=1, start=True),
     )
+
+
+def test_a_moved_id_put_back_by_a_paused_claim_gets_its_turn_among_fair_groups(
+        model_settings: None) -> None:
+    """A worker moves a plain job off queued (BLMOVE), a grouped job arrives, the
+    queue is paused, and the worker's claim puts the plain job back: the plain
+    list must rejoin priority 0's rotation, or it never gets a turn.
+    (claim.lua's paused path pushed the id back without its turn.)"""
+    replay(
+        lambda m: m.first_jobs(deferred=[False]),
+        lambda m: m.land(k=0),
+        lambda m: m.enqueue(deferred=False, late=True, priority=0, tenant="t1"),
+        lambda m: m.pause_queue(),
+        lambda m: m.late_push(index=0),
+        lambda m: m.claim_landed(k=0),
+    )

@@ -217,6 +217,13 @@ end
 if redis.call('EXISTS', paused_key) == 1 then
   if moved_id ~= '' and redis.call('LREM', landing_key, 1, moved_id) > 0 then
     redis.call('RPUSH', queued_key, moved_id)
+    -- Priority 0's plain list takes turns with fair groups: it has a job
+    -- again, so it gets its turn back, first (its job was at the head).
+    if redis.call('ZSCORE', fair_bands_key, 0)
+        and not redis.call('ZSCORE', rota_prefix .. 0, '') then
+      local first = redis.call('ZRANGE', rota_prefix .. 0, 0, 0, 'WITHSCORES')
+      redis.call('ZADD', rota_prefix .. 0, (tonumber(first[2]) or 0) - 1, '')
+    end
   end
   return { {}, {}, {}, 0, 0, -1, 0, 1 }
 end
