@@ -51,6 +51,7 @@ from .tasks import ReliableTask, lookup, rebuilt_flow
 
 if TYPE_CHECKING:
     from .mirror import NewRow
+    from .mirror.journal import JobProgress
     from .models import Job
     from .staff import StaffResult
 
@@ -225,6 +226,12 @@ class ReliableJobsBackend(BaseTaskBackend):
             raise TaskResultDoesNotExist(result_id) from None
         return job_result(job, self._task_for(job), backend=self.alias,
                           attempts=list(job.attempt_set.all()))
+
+    def get_progress(self, result_id: str) -> JobProgress:
+        """What a job's task last reported (context.progress(), checkpoint()): mirror/journal."""
+        from .mirror.journal import progress_of
+
+        return progress_of(self.database, result_id, backend=self.alias)
 
     def _task_for(self, job: Job) -> Task[..., Any]:
         task = lookup(job.task_path)

@@ -956,6 +956,7 @@ def _odd_calls(broker: Broker, held: ClaimedJob) -> dict[str, Callable[[], Any]]
             Q, lease_ms=LONG_LEASE_MS, settle=[Settlement("odd", 1, 0, "succeeded")]
         ).outcomes == [RecoveredJob("odd", 0, "garbage")],
         "release": lambda: broker.release(Q, [("odd", 1, 0, True), (*fence, False)]) == [0, 1],
+        "snooze": lambda: broker.snooze(Q, [("odd", 1, 0, 0), (*fence, 0)]) == [0, 1],
         "reprioritize": lambda: broker.reprioritize(Q, "odd", 5)[:2] == (False, ""),
         "requeue": lambda: broker.requeue(Q, "odd") == (False, ""),
         "revive": lambda: broker.revive(Q, "odd", extra_attempts=1) is False,
@@ -1763,7 +1764,9 @@ def run_every_script(broker: Broker, queue: str) -> None:
     broker.set_paused(queue, True)
     broker.claim(queue, count=10, lease_ms=SHORT_LEASE_MS)
     broker.set_paused(queue, False)
-    broker.claim(queue, count=10, lease_ms=SHORT_LEASE_MS)
+    claimed = broker.claim(queue, count=10, lease_ms=SHORT_LEASE_MS).jobs
+    # A task that snoozes: back to wait, its attempt given back.
+    broker.snooze(queue, [(*job.fence, 0) for job in claimed])
 
 
 def test_every_key_the_broker_passes_shares_the_queues_slot(broker: Broker) -> None:

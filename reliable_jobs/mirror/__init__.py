@@ -85,6 +85,7 @@ from .reconcile import (
     next_generation,
     rebuilt_job,
     reconcile_candidates,
+    snoozed_attempts,
 )
 from .records import (
     ABANDONED_ERROR,
@@ -101,6 +102,7 @@ from .records import (
     expired_record,
     make_storable,
     new_state,
+    snoozed_record,
 )
 
 __all__ = [
@@ -111,7 +113,7 @@ __all__ = [
     "lock_for_recovery", "lock_job", "lock_prunable", "lock_recent_cancels",
     "lock_unfinished", "mark_cancelled", "mark_priority", "mark_queued_again", "mark_rebuilt",
     "new_state", "next_generation", "raise_budgets", "rebuilt_job", "reconcile_candidates",
-    "record",
+    "record", "snoozed_attempts", "snoozed_record",
 ]
 
 
