@@ -34,7 +34,15 @@ from django.utils.translation import gettext_lazy as _
 
 # schedule_admin and workflow_admin are imported for their side effect: they register
 # the periodic jobs' and the workflows' admin.
-from . import changelist, dashboard, schedule_admin, staff, taskpage, workflow_admin  # noqa: F401
+from . import (  # noqa: F401
+    changelist,
+    dashboard,
+    queuepause,
+    schedule_admin,
+    staff,
+    taskpage,
+    workflow_admin,
+)
 from .adminparts import ReadOnlyMixin, badge, timestamp
 from .broker import REDIS_ERRORS
 from .compat import admin_action
@@ -371,9 +379,11 @@ class JobAdmin(ReadOnlyMixin, admin.ModelAdmin):  # type: ignore[type-arg]  # as
         name = f"{self.opts.app_label}_{self.opts.model_name}_dashboard"
         tasks_view = self.admin_site.admin_view(partial(taskpage.task_stats_view, self))
         tasks_name = f"{self.opts.app_label}_{self.opts.model_name}_task_stats"
+        pause_view = self.admin_site.admin_view(partial(queuepause.pause_view, self))
         return [
             path("dashboard/", view, name=name),
             path("dashboard/<str:alias>/", view, name=name),
+            path("dashboard/<str:alias>/pause/", pause_view, name=queuepause.url_name(self.opts)),
             path("tasks/", tasks_view, name=tasks_name),
             path("tasks/<str:alias>/", tasks_view, name=tasks_name),
             *super().get_urls(),
@@ -406,6 +416,9 @@ class JobAdmin(ReadOnlyMixin, admin.ModelAdmin):  # type: ignore[type-arg]  # as
             "taskstats_url": reverse(f"{self.admin_site.name}:{self.opts.app_label}_"
                                      f"{self.opts.model_name}_task_stats", args=[alias]),
             "prefix": backend.config.PREFIX,
+            "can_pause": queuepause.may_pause(request),
+            "pause_url": reverse(f"{self.admin_site.name}:{queuepause.url_name(self.opts)}",
+                                 args=[alias]),
         }
         return TemplateResponse(request, "admin/reliable_jobs/job/dashboard.html", context)
 

@@ -3,7 +3,7 @@
 Queue counts, latency (the age of each queue's oldest ready job and oldest
 due scheduled job, see scripts/latency.lua) and workers come live from Redis
 (list lengths, two bounded reads per shard, and heartbeats), and so does
-each limit's use (flowstats.py);
+each limit's use (flowstats.py), and which queues are paused (pausing.py);
 throughput comes from the ``Attempt`` rows of the last hour; drift compares
 the two sides the way reconcile does. A sharded queue is one line: the sum
 of every shard a worker drains (see :func:`shards_of`), and each row is
@@ -19,7 +19,7 @@ dashboard is where staff look when something is down.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +28,7 @@ from django.db.models import Count
 from django.db.models.functions import TruncMinute
 from django.utils import timezone
 
+from . import pausing
 from .broker import REDIS_ERRORS
 from .flowstats import LimitLine, limit_lines
 from .keys import logical_queue, shard_index, shard_queue
@@ -35,6 +36,7 @@ from .models import FAILED_OUTCOMES, UNFINISHED_STATES, Attempt, AttemptOutcome,
 
 if TYPE_CHECKING:
     from .backend import ReliableJobsBackend
+    from .pausing import PauseState
 
 #: Unfinished rows drift checks at most per call.
 DRIFT_SCAN = 5_000
@@ -61,6 +63,8 @@ class QueueLine:
     due_late: bool = field(default=False, compare=False)
     #: One line per shard of a sharded queue (empty for an unsharded one).
     shards: tuple[QueueLine, ...] = field(default=(), compare=False)
+    #: The queue's pause, when it is paused (pausing.py); None when it runs.
+    pause: PauseState | None = field(default=None, compare=False)
 
     @property
     def shard(self) -> int:
@@ -167,6 +171,12 @@ def snapshot(backend: ReliableJobsBackend, *, now: datetime | None = None) -> Sn
     except REDIS_ERRORS as exc:
         snap.problems.append(f"Redis did not answer ({exc}): queue counts, latency and "
                              "workers are unknown.")
+    try:
+        paused = {state.queue: state for state in pausing.status(backend.parts)
+                  if state.paused}
+        snap.queues = [replace(q, pause=paused.get(q.name)) for q in snap.queues]
+    except (*REDIS_ERRORS, DatabaseError) as exc:  # type: ignore[misc]  # mypy cannot unpack a tuple[type, ...]
+        snap.problems.append(f"Which queues are paused could not be read ({exc}).")
     try:
         snap.minutes = throughput(backend, now=now)
     except DatabaseError as exc:

@@ -9,10 +9,17 @@ only jobs that were about to run.
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict, deque
 from typing import Any
 
 from .broker import REDIS_ERRORS, Applied, ClaimedJob
+
+#: How long a start mark stays good for, in seconds: a job marked in a group
+#: that has waited longer (behind a slow job) is marked again before it runs,
+#: so a pause or a lost lease since its mark is seen (start.lua) before it
+#: begins, not a whole slow job later. No-op jobs run within it.
+MARK_FRESH_S = 0.02
 
 
 class JobBuffer:
@@ -22,9 +29,11 @@ class JobBuffer:
     that marked them), so an idle thread always finds work that exists.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, fresh_s: float = MARK_FRESH_S) -> None:
         self._cond = threading.Condition()
-        self._marked: deque[ClaimedJob] = deque()
+        self._fresh_s = fresh_s
+        #: Jobs marked started, each with when (monotonic s) it was marked.
+        self._marked: deque[tuple[ClaimedJob, float]] = deque()
         self._unmarked: deque[ClaimedJob] = deque()
         self._closed = False
 
@@ -35,16 +44,22 @@ class JobBuffer:
 
     def put_marked(self, jobs: list[ClaimedJob]) -> None:
         """Hand back jobs marked started but not run yet: they are next in line."""
+        now = time.monotonic()
         with self._cond:
-            self._marked.extendleft(reversed(jobs))
+            self._marked.extendleft((job, now) for job in reversed(jobs))
             self._cond.notify(len(jobs))
 
     def get(self) -> tuple[ClaimedJob, bool] | None:
-        """Block for a job; return (job, marked), or None once closed and empty."""
+        """Block for a job; return (job, marked), or None once closed and empty.
+
+        ``marked`` is False for a job whose mark is older than ``fresh_s``:
+        the caller marks it again (start.lua is idempotent for a held claim).
+        """
         with self._cond:
             while True:
                 if self._marked:
-                    return self._marked.popleft(), True
+                    job, marked_at = self._marked.popleft()
+                    return job, time.monotonic() - marked_at <= self._fresh_s
                 if self._unmarked:
                     return self._unmarked.popleft(), False
                 if self._closed:
@@ -63,7 +78,7 @@ class JobBuffer:
         """Stop handing out jobs; return every job still waiting (none has started)."""
         with self._cond:
             self._closed = True
-            left = [*self._marked, *self._unmarked]
+            left = [*(job for job, _ in self._marked), *self._unmarked]
             self._marked.clear()
             self._unmarked.clear()
             self._cond.notify_all()

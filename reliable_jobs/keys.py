@@ -160,7 +160,12 @@ class QueueKeys:
 
     @property
     def paused(self) -> str:
-        """Reserved for pause/resume: claim.lua declares it as KEYS[11]."""
+        """String, set while this shard is paused (its value: since when, ms).
+
+        claim.lua (KEYS[11]) takes nothing while it exists and start.lua
+        lets no claimed job start; pause.lua sets and removes it. The
+        mirror's QueuePause rows hold the same fact durably (pausing.py).
+        """
         return f"{self.base}:paused"
 
     @property

@@ -370,3 +370,34 @@ class Dependency(models.Model):
 
     def __str__(self) -> str:
         return f"{self.job_id} after {self.upstream_id}"
+
+
+class QueuePause(models.Model):
+    """A paused queue: the durable record of the flag its shards carry in Redis.
+
+    Written only by ``pausing.py``, in the transaction that sets or removes
+    the Redis flags; the sweep puts lost flags back from these rows (Redis
+    restarted or flushed), so a pause outlives the data Redis holds. No row:
+    the queue runs.
+    """
+
+    backend = models.CharField(_("backend"), max_length=100, default="default")
+    queue = models.CharField(_("queue"), max_length=100)
+    paused_at = models.DateTimeField(_("paused at"))
+    #: Who paused it: a user name, "manage.py pausequeue" or what the caller said.
+    paused_by = models.CharField(_("paused by"), max_length=150, blank=True, default="")
+
+    class Meta:
+        verbose_name = _("paused queue")
+        verbose_name_plural = _("paused queues")
+        ordering = ["backend", "queue"]
+        constraints = [
+            models.UniqueConstraint(fields=["backend", "queue"], name="rj_queue_pause_once"),
+        ]
+        # Pausing is its own grant (staff.py's actions have theirs); rows are
+        # never added, changed or deleted by hand in the admin.
+        default_permissions = ("view",)
+        permissions = [("pause_queue", _("Can pause and resume queues"))]
+
+    def __str__(self) -> str:
+        return f"{self.queue} ({self.backend})"

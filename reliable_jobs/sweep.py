@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from django.db import DatabaseError, InterfaceError, connections, transaction
 from django.utils import timezone
 
-from . import mirror, telemetry
+from . import mirror, pausing, telemetry
 from .broker import (
     REDIS_ERRORS,
     SCRIPT_ERRORS,
@@ -76,6 +76,7 @@ class SweepReport:
     buried: int = 0
     recancelled: int = 0
     purged: int = 0
+    repaused: int = 0
 
     def add(self, other: SweepReport) -> None:
         for f in fields(self):
@@ -136,8 +137,10 @@ class Sweep:
 
         Refunded budgets (claims that never started) are mirrored at the end:
         they are only shown in the admin, and losing one loses nothing.
+        First, paused queues whose flags Redis lost are paused again.
         """
         report = SweepReport()
+        report.repaused += pausing.restore(self.parts, self.queues)
         refunds: dict[str, int] = {}
         queues = physical if physical is not None else self.physical_queues()
         for queue in self.parts.broker.sweepable(queues):
@@ -266,8 +269,11 @@ class Sweep:
         when None), so one pass over a million rows never stalls the caller.
         Then cancels Redis lost are applied again (:meth:`recancel`) and each
         shard's dead set is walked for jobs with no row (:meth:`purge_orphans`).
+        Before any push, paused queues whose flags Redis lost are paused
+        again (pausing.restore), so no rebuilt job of theirs can be claimed.
         """
         report = SweepReport()
+        report.repaused += pausing.restore(self.parts, self.queues)
         config = self.parts.config
         older_than = mirror.grace_cutoff(config.DATABASE, config.RECONCILE_GRACE_MS)
         batches = 0

@@ -32,7 +32,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from reliable_jobs import mirror, staff
+from reliable_jobs import mirror, pausing, staff
 from reliable_jobs.broker import Applied, Broker, ClaimedJob, Fence, NewJob
 from reliable_jobs.compat import task_backends
 from reliable_jobs.mirror import AttemptRecord
@@ -44,6 +44,7 @@ from reliable_jobs.models import (
     Dependency,
     Job,
     JobState,
+    QueuePause,
 )
 from reliable_jobs.sweep import Sweep
 from reliable_jobs.worker.finisher import FinishedAttempt
@@ -128,6 +129,11 @@ class QueueMachine(RuleBasedStateMachine):
         # The broker remembers which queues had priorities in use (its lone-queue
         # wait depends on it): forget it with the data, or examples interfere.
         self.broker._banded.clear()
+        self.broker._paused.clear()
+        QueuePause.objects.all().delete()
+        #: Whether the queue is paused (the QueuePause row exists): while its
+        #: flag is in Redis no claim hands out a job and no claimed job starts.
+        self.paused = False
         Job.objects.all().delete()
         self.keys = self.broker.keys(QUEUE)
         self.workers = [SimWorker(f"w{i}") for i in range(WORKERS)]
@@ -273,7 +279,17 @@ class QueueMachine(RuleBasedStateMachine):
         job = held.job
         # Read before start.lua: a lease found run out here had run out for it too.
         left_ms = self.lease_left_ms(job.id)
+        flagged = self.pause_flagged()
         [ok] = self.broker.start(QUEUE, [job.fence])
+        if ok == Applied.PAUSED:
+            # Claimed before the pause: the worker hands it back unstarted and
+            # gives its attempt back (Worker._release), never runs it.
+            del worker.held[job.fence]
+            if self.broker.release(QUEUE, [(*job.fence, False)]) == [Applied.DONE]:
+                mirror.raise_budgets(self.database, {job.id: job.max_attempts + 1})
+            return False
+        if ok == Applied.DONE and flagged:
+            self.fail(f"job {job.id} attempt {job.attempt} started while its queue was paused")
         if ok == Applied.CANCELLED:
             # Cancelled before it started: the worker records it and acks it
             # (the executor's _mark_started), never runs it.
@@ -489,7 +505,10 @@ class QueueMachine(RuleBasedStateMachine):
     def claim(self, k: int, count: int, start: bool) -> None:
         """Claim a batch; with ``start`` the executors start all of it at once."""
         worker = self.workers[k]
+        flagged = self.pause_flagged()
         result = self.broker.claim(QUEUE, count=count, lease_ms=LEASE_MS)
+        if flagged and (result.jobs or result.dead):
+            self.fail(f"a claim on the paused queue handed out {[j.id for j in result.jobs]}")
         self.take_claims(worker, result.jobs, result.dead, result.garbage)
         if start:
             for job in result.jobs:
@@ -509,7 +528,10 @@ class QueueMachine(RuleBasedStateMachine):
         waiting = [w for w in self.workers if w.landed]
         worker = waiting[k % len(waiting)]
         moved = worker.landed.pop(0)
+        flagged = self.pause_flagged()
         result = self.broker.claim(QUEUE, count=0, lease_ms=LEASE_MS, moved_id=moved)
+        if flagged and result.jobs:
+            self.fail(f"a claim on the paused queue stamped the moved id {moved}")
         self.take_claims(worker, result.jobs, result.dead, result.garbage)
 
     def claims(self, *, started: bool) -> list[tuple[SimWorker, Held]]:
@@ -727,6 +749,7 @@ class QueueMachine(RuleBasedStateMachine):
         finally:
             broker.__dict__.pop("expired", None)
             mirror.record = real_record  # type: ignore[assignment]
+        self.pause_is_back("a sweep pass")
 
     @rule(commit_fails=st.booleans(),
           slow_push=st.sampled_from([None, None, "late_first", "flush_first"]))
@@ -747,6 +770,10 @@ class QueueMachine(RuleBasedStateMachine):
                     raise
                 return
         self.cancel_lost.clear()
+        if slow_push != "flush_first":
+            # (Redis losing everything again during the pass, after reconcile put
+            # the flag back, is a new loss: the next sweep pass puts it back.)
+            self.pause_is_back("reconcile")
 
     def slowly(self, slow_push: str | None) -> AbstractContextManager[object]:
         """Make the next rebuild push slow: before it lands, the job's own on-commit
@@ -765,6 +792,28 @@ class QueueMachine(RuleBasedStateMachine):
                 self.deliver(late)
 
         return SlowPush(self.broker, before)
+
+    def pause_flagged(self) -> bool:
+        """Whether the queue's pause flag is in Redis now (Redis may have lost it)."""
+        return bool(self.broker.paused_since([QUEUE]))
+
+    def pause_is_back(self, step: str) -> None:
+        """A paused queue's flag, lost with Redis's data, is back after ``step``."""
+        if self.paused and not self.pause_flagged():
+            self.fail(f"the queue is paused (its row says so) but {step} did not put the lost "
+                      "flag back")
+
+    @rule()
+    def pause_queue(self) -> None:
+        """Staff pause the queue: from now on no claim takes a job, no claim starts."""
+        pausing.pause(self.backend.parts, QUEUE, by="model")
+        self.paused = True
+
+    @precondition(lambda self: self.paused)
+    @rule()
+    def resume_queue(self) -> None:
+        pausing.resume(self.backend.parts, QUEUE)
+        self.paused = False
 
     @rule()
     def flush_redis(self) -> None:
@@ -1170,6 +1219,8 @@ class QueueMachine(RuleBasedStateMachine):
         # Lost pushes are the outbox's business: reconcile must find them.
         self.late_pushes = []
         survivor = SimWorker("survivor")
+        if self.paused:
+            self.resume_queue()
         for round_ in range(40):
             if round_:
                 self.jump()  # leases of the dead workers run out

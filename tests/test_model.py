@@ -26,6 +26,10 @@ docs/explanation/guarantees.md and docs/design.md:
 - a claim whose lease ran out is not started; a job handed back by a
   stopping worker does not start elsewhere while that worker still runs
   it; an equal call of a unique task is not merged into a job that began;
+- while the queue is paused and its flag is in Redis, no claim hands out a
+  job and no claimed job starts (one claimed before the pause is handed back
+  unstarted), and after Redis lost the flag a sweep pass or reconcile puts
+  it back;
 
 and, at the end of each example, that once every fault stops and the
 sweep, reconcile and a fresh worker have run, every job is succeeded, dead
@@ -40,8 +44,9 @@ acted in Redis (a worker batch, reconcile, every staff action); a push is
 late (a producer's on-commit push, held across steps) or slow (a rebuild's
 push, overtaken by the job's late push or by a loss of Redis data); staff
 cancel and reprioritize one job at once; unique calls arrive while their
-job runs. Time passes only when a step says so (the machine moves every
-deadline Redis holds), so a replayed program does what it did.
+job runs; staff pause and resume the queue. Time passes only when a step
+says so (the machine moves every deadline Redis holds), so a replayed
+program does what it did.
 
 The helpers a reader needs to replay a failure by hand live in
 ``tests/model_helpers.py``.
@@ -360,6 +365,56 @@ def test_a_claim_whose_lease_expired_is_not_started(model_settings: None) -> Non
         lambda m: m.claim(k=0, count=1, start=False),
         lambda m: m.pause(),
         lambda m: m.start(index=0, record_start=True),
+    )
+
+
+def test_a_claim_in_flight_when_the_pause_returned_does_not_start(model_settings: None) -> None:
+    """A worker claims a job, the queue is paused, then the worker marks it started:
+    the claim ran before the pause, so only the start can keep the promise that
+    no attempt starts after a pause returned; the job is handed back unstarted,
+    and after Redis loses everything the sweep pauses the queue again before
+    reconcile pushes the job back. (start.lua did not read the pause flag.)"""
+    replay(
+        lambda m: m.enqueue(deferred=False, late=False),
+        lambda m: m.claim(k=0, count=1, start=False),
+        lambda m: m.pause_queue(),
+        lambda m: m.start(index=0, record_start=True),
+        lambda m: m.flush_redis(),
+        lambda m: m.reconcile(),
+        lambda m: m.claim(k=1, count=1, start=True),
+        lambda m: m.resume_queue(),
+        lambda m: m.claim(k=1, count=1, start=True),
+    )
+
+
+def test_a_flush_during_reconcile_leaves_the_pause_to_the_next_sweep_pass(
+        model_settings: None) -> None:
+    """Redis loses everything once the queue is paused, and again while reconcile
+    pushes (after it put the flag back): the flag is lost a second time, and the
+    next sweep pass puts it back before any claim may take a pushed job."""
+    replay(
+        lambda m: m.first_jobs(deferred=[False]),
+        lambda m: m.pause_queue(),
+        lambda m: m.flush_redis(),
+        lambda m: m.reconcile(commit_fails=False, slow_push="flush_first"),
+        lambda m: m.sweep(expire=False, stall=False, crash=False),
+        lambda m: m.claim(k=0, count=1, start=True),
+    )
+
+
+def test_a_moved_id_put_back_by_a_paused_claim_gets_its_turn_among_fair_groups(
+        model_settings: None) -> None:
+    """A worker moves a plain job off queued (BLMOVE), a grouped job arrives, the
+    queue is paused, and the worker's claim puts the plain job back: the plain
+    list must rejoin priority 0's rotation, or it never gets a turn.
+    (claim.lua's paused path pushed the id back without its turn.)"""
+    replay(
+        lambda m: m.first_jobs(deferred=[False]),
+        lambda m: m.land(k=0),
+        lambda m: m.enqueue(deferred=False, late=True, priority=0, tenant="t1"),
+        lambda m: m.pause_queue(),
+        lambda m: m.late_push(index=0),
+        lambda m: m.claim_landed(k=0),
     )
 
 

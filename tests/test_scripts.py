@@ -962,6 +962,8 @@ def _odd_calls(broker: Broker, held: ClaimedJob) -> dict[str, Callable[[], Any]]
         "revive": lambda: broker.revive(Q, "odd", extra_attempts=1) is False,
         "start": lambda: broker.start(Q, [("odd", 1, 0), fence]) == [0, 1],
         "claim": lambda: broker.claim(Q, count=5, lease_ms=LONG_LEASE_MS).garbage == ["odd"],
+        # (no job id: the flag is set and removed whatever the lists hold)
+        "pause": lambda: broker.set_paused(Q, True) and broker.set_paused(Q, False),
     }
 
 
@@ -1758,6 +1760,10 @@ def run_every_script(broker: Broker, queue: str) -> None:
     # Priorities: a job on a band of its own, moved to another, then claimed.
     broker.enqueue(queue, [NewJob("urgent", "{}", 3, priority=5)])
     broker.reprioritize(queue, "urgent", -5)
+    # Pause: a claim on the paused queue, then the resume, with work waiting.
+    broker.set_paused(queue, True)
+    broker.claim(queue, count=10, lease_ms=SHORT_LEASE_MS)
+    broker.set_paused(queue, False)
     claimed = broker.claim(queue, count=10, lease_ms=SHORT_LEASE_MS).jobs
     # A task that snoozes: back to wait, its attempt given back.
     broker.snooze(queue, [(*job.fence, 0) for job in claimed])

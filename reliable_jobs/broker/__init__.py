@@ -141,6 +141,30 @@ class Broker(Lifecycle, Inspection):
         self._wake(queue, moved)
         return bool(moved), state
 
+    def set_paused(self, queue: str, paused: bool, *, since_ms: int = 0) -> bool:
+        """Pause or resume one shard (see pause.lua); True when its flag changed.
+
+        ``since_ms``: when the pause began (the mirror's time, kept when a
+        lost flag is put back), 0 for the server's clock now.
+        """
+        k = self.keys(queue)
+        changed = bool(self._run("pause", (k.paused, k.wake, k.queued, k.bands, k.fair_bands,
+                                           k.holds), (int(paused), since_ms)))
+        if not paused:
+            self._wake(queue, changed)
+        return changed
+
+    def paused_since(self, queues: Sequence[str]) -> dict[str, int]:
+        """The shards of ``queues`` whose flag is set, and since when (ms); one round trip."""
+        if not queues:
+            return {}
+        with self.client.pipeline(transaction=False) as pipe:
+            for queue in queues:
+                pipe.get(self.keys(queue).paused)
+            found = pipe.execute()
+        return {queue: int(value) for queue, value in zip(queues, found, strict=True)
+                if value is not None and str(value).isdigit()}
+
     def purge(self, queue: str, job_ids: Sequence[str]) -> int:
         """Forget dead jobs whose rows are being pruned; returns hashes deleted."""
         if not job_ids:

@@ -36,6 +36,9 @@ class BrokerCore:
         #: waiting on one of them alone waits on its wake marker, which
         #: every band's push signals, instead of BLMOVE on priority 0's list.
         self._banded: set[str] = set()
+        #: Queues (shards) whose last claim in this process found them paused:
+        #: waited on by their wake marker, never with BLMOVE (see wait()).
+        self._paused: set[str] = set()
         self.client = connect(url)
         #: On a cluster, multi-queue waits use markers in one shared slot.
         self.cluster = is_cluster_url(url)

@@ -50,10 +50,13 @@ class Lifecycle(BrokerCore):
         BLMOVE on priority 0's list would not see a push onto another
         band): one ``BLPOP`` over their wake markers (one connection for
         any number of queues); the caller then claims from the queue named.
+        A queue whose last claim found it paused is waited on by its marker
+        too (a BLMOVE would take the jobs it may not run, again and again),
+        which pause.lua pushes on resume when work waits.
         Returns ``(queue, moved id or None)``, or None on timeout.
         """
         client = self._blocking_client()
-        if len(queues) == 1 and queues[0] not in self._banded:
+        if len(queues) == 1 and queues[0] not in self._banded and queues[0] not in self._paused:
             k = self.keys(queues[0])
             # Typing only: BLMOVE's timeout is float seconds, and the client
             # decodes replies (str, not bytes | str as redis-py's types say).
@@ -119,9 +122,13 @@ class Lifecycle(BrokerCore):
             (max(count, 1 if moved_id else 0), lease_ms, moved_id or "", self.fair_share,
              EXHAUSTED_CLASS, *limits, self.fair_weights),
         )
-        jobs_flat, dead_flat, garbage, remaining, banded, hold_ms, hold_by_cap = reply
+        jobs_flat, dead_flat, garbage, remaining, banded, hold_ms, hold_by_cap, paused = reply
         if int(banded):
             self._banded.add(queue)
+        if int(paused):
+            self._paused.add(queue)
+        else:
+            self._paused.discard(queue)
         jobs = [
             ClaimedJob(queue, jobs_flat[i], int(jobs_flat[i + 1]), int(jobs_flat[i + 2]),
                        jobs_flat[i + 3], int(jobs_flat[i + 4]), int(jobs_flat[i + 5]))
@@ -131,17 +138,18 @@ class Lifecycle(BrokerCore):
                 for i in range(0, len(dead_flat), 3)]
         self._wake(queue, int(remaining))  # work left behind: wake the next idle worker
         return ClaimResult(jobs, dead, list(garbage), int(remaining), int(banded), int(hold_ms),
-                           bool(int(hold_by_cap)))
+                           bool(int(hold_by_cap)), bool(int(paused)))
 
     def start(self, queue: str, held: Sequence[Fence]) -> list[Applied]:
         """Mark held attempts as started: DONE (run it), CANCELLED (do not run it,
         ack it), EXPIRED (its lease ran out: do not run it, let go of it; the
-        sweep requeues it) or REFUSED (no longer held)."""
+        sweep requeues it), PAUSED (the queue was paused since its claim: do
+        not run it, release it) or REFUSED (no longer held)."""
         if not held:
             return []
         k = self.keys(queue)
         args = [x for fence in held for x in fence]
-        return _applied(self._run("start", (k.leases, k.job_prefix), args))
+        return _applied(self._run("start", (k.leases, k.job_prefix, k.paused), args))
 
     def ack(self, queue: str, held: Sequence[Fence]) -> list[Applied]:
         """Finish jobs: DONE, CANCELLED (marked while it ran, finished as cancelled)

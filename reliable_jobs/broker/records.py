@@ -38,6 +38,10 @@ class Applied(IntEnum):
     #: marked started and not to be run: its holder lets go of it, and the
     #: sweep requeues it as a claim that never started (its attempt given back).
     EXPIRED = 3
+    #: start only: the token is current but the queue was paused since the
+    #: claim (pause.lua). Not marked started and not to be run: its holder
+    #: hands it back unstarted (release.lua gives the attempt back).
+    PAUSED = 4
 
     def __bool__(self) -> bool:
         return self in (Applied.DONE, Applied.CANCELLED)
@@ -113,6 +117,8 @@ class ClaimResult:
     #: Whether hold_ms is a concurrency cap's guess (a slot may free sooner:
     #: an ack elsewhere does not say so) rather than a rate's exact time.
     hold_by_cap: bool = False
+    #: The queue (this shard) is paused: nothing was claimed.
+    paused: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,6 +29,7 @@ SCRIPT_NAMES = (
     "extend",
     "latency",
     "nack",
+    "pause",
     "promote",
     "purge",
     "recover",

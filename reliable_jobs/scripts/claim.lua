@@ -15,7 +15,8 @@
   KEYS[9] share       string jobs claimed while several bands waited,
                              modulo share_every (the fair share's turn)
   KEYS[10] strays     zset   id -> copies reprioritize.lua left on a band
-  KEYS[11] paused     string reserved for pause/resume (not read here yet)
+  KEYS[11] paused     string set while the queue is paused (pause.lua): the
+                             claim takes nothing
   KEYS[12] flow prefix string a limit's keys are KEYS[12] .. 'log:' / 'tat:' /
                              'run:' / 'held:' .. its wire name (include flow_limit)
   KEYS[13] holds      zset   wire name of a limit with a held list -> when
@@ -52,6 +53,11 @@
                     ',' ('' when none): a group takes that many jobs per
                     turn of its priority's rotation; unlisted groups and
                     the plain list take 1
+
+  Pause: while KEYS[11] exists nothing is taken (a moved id goes back to
+  the head of queued, no wake marker is pushed) and the reply says
+  paused; a pause takes effect at the very next claim on the shard, and a
+  claim that ran before it is caught by start.lua, which reads the same key.
 
   Flow control (docs/design.md): the queue's cap counts its leases, its rate
   a sliding log of claims, paced; allowance = min(count, cap - leases, the
@@ -113,7 +119,7 @@
   attempts and gen are written back, so the token the fenced scripts compare
   always reads the same as the one returned.
 
-  Returns: { jobs, dead, garbage, remaining, banded, hold_ms, hold_by_cap }
+  Returns: { jobs, dead, garbage, remaining, banded, hold_ms, hold_by_cap, paused }
     jobs      flat list: id, attempt, max_attempts, payload, gen, waited_ms
               (per job); attempt and gen together are the fencing token;
               waited_ms is how long the job was ready before this claim
@@ -131,6 +137,8 @@
              job it could reach, how long (ms) until one may let a job go
     hold_by_cap  1 when hold_ms is a cap's guess (a slot may free at any
              moment: an ack does not say so), 0 when it is a rate's time
+    paused   1 when the queue is paused (then everything else is empty,
+             remaining 0 and hold_ms -1), else 0
   Errors: count, lease_ms, share_every or a queue limit not a whole number from 0 to 2^52,
   exhausted_class not a dotted path, or a fair weight not a whole number from 1
   to 1000 (nothing is written).
@@ -203,6 +211,22 @@ end
 --- @include "tombstone"
 
 --- @include "read_job"
+
+-- Paused: take nothing. The moved id goes back where BLMOVE took it from,
+-- and no marker is pushed (a paused queue's work must not wake anyone).
+if redis.call('EXISTS', paused_key) == 1 then
+  if moved_id ~= '' and redis.call('LREM', landing_key, 1, moved_id) > 0 then
+    redis.call('RPUSH', queued_key, moved_id)
+    -- Priority 0's plain list takes turns with fair groups: it has a job
+    -- again, so it gets its turn back, first (its job was at the head).
+    if redis.call('ZSCORE', fair_bands_key, 0)
+        and not redis.call('ZSCORE', rota_prefix .. 0, '') then
+      local first = redis.call('ZRANGE', rota_prefix .. 0, 0, 0, 'WITHSCORES')
+      redis.call('ZADD', rota_prefix .. 0, (tonumber(first[2]) or 0) - 1, '')
+    end
+  end
+  return { {}, {}, {}, 0, 0, -1, 0, 1 }
+end
 
 local now = now_ms()
 local deadline_ms = now + lease_ms
@@ -633,4 +657,4 @@ if #jobs == 0 and #dead == 0 and #garbage == 0 and held_moved == 0 then
     hold_by_cap = by_cap and 1 or 0
   end
 end
-return { jobs, dead, garbage, remaining, banded + fair_count, hold_ms, hold_by_cap }
+return { jobs, dead, garbage, remaining, banded + fair_count, hold_ms, hold_by_cap, 0 }

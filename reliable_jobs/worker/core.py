@@ -123,6 +123,8 @@ class Worker:
         self._skipper = QueueSkipper()
         #: Each queue's limits, and how long they hold it after a futile claim.
         self._holds = FlowHolds(self.config.queue_limits, max_wait_s=MAX_WAIT_S)
+        #: Queues (shards) whose last claim found them paused: logged once each way.
+        self._paused: set[str] = set()
         self._claimed_total = 0
         #: Burst runs: the queue _burst_done last found with work, checked first.
         self._burst_busy: str | None = None
@@ -421,6 +423,10 @@ class Worker:
         result = self.broker.claim(queue, count=max(count, 0), lease_ms=self.config.LEASE_MS,
                                    moved_id=moved_id, limits=self._holds.claim_args(queue))
         self._holds.record(queue, result.hold_ms, by_cap=result.hold_by_cap)
+        if result.paused != (queue in self._paused):
+            self._paused.symmetric_difference_update({queue})
+            logger.info("Queue %r is %s.", queue, "paused: claiming none of its jobs until it "
+                        "is resumed" if result.paused else "resumed")
         crash_point("after_claim")
         self.in_hand.add(result.jobs)
         self._claimed_total += len(result.jobs)

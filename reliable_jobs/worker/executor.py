@@ -191,6 +191,14 @@ class Executor:
             return held
         lost = [job for job, ok in zip(jobs, marked, strict=True)
                 if ok in (Applied.REFUSED, Applied.EXPIRED)]
+        paused = [job for job, ok in zip(jobs, marked, strict=True) if ok == Applied.PAUSED]
+        if paused:
+            # Claimed before its queue was paused, not started: handed back
+            # unstarted (its attempt given back), to run once it is resumed.
+            self.release([(job, False) for job in paused])
+            self.slot_freed.set()
+            logger.info("Queue %r is paused: handed %d claimed job(s) back unstarted.",
+                        paused[0].queue, len(paused))
         for job, ok in zip(jobs, marked, strict=True):
             if ok == Applied.CANCELLED:
                 # Cancelled between its claim and its start: never run, ack it

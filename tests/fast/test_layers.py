@@ -37,7 +37,7 @@ LAYERS: dict[str, int] = {
     "reliable_jobs.backend": 3, "reliable_jobs.newjobs": 3, "reliable_jobs.sweep": 3,
     "reliable_jobs.staff": 3, "reliable_jobs.retention": 3, "reliable_jobs.periodic.scheduler": 3,
     "reliable_jobs.isolation": 3, "reliable_jobs.supervisor": 3, "reliable_jobs.backendchecks": 3,
-    "reliable_jobs.workflows": 3,
+    "reliable_jobs.workflows": 3, "reliable_jobs.pausing": 3,
     # 4 worker: the running process.
     "reliable_jobs.worker": 4, "reliable_jobs._child_boot": 4,
     # 5 web: admin, dashboard, views, health and metrics endpoints.
@@ -45,7 +45,7 @@ LAYERS: dict[str, int] = {
     "reliable_jobs.dashboard": 5, "reliable_jobs.flowstats": 5,
     "reliable_jobs.taskpage": 5, "reliable_jobs.schedule_admin": 5,
     "reliable_jobs.workflow_admin": 5, "reliable_jobs.health": 5,
-    "reliable_jobs.metrics": 5, "reliable_jobs.urls": 5,
+    "reliable_jobs.metrics": 5, "reliable_jobs.urls": 5, "reliable_jobs.queuepause": 5,
     # 6 ops: checks, management commands, app config, the verification app.
     "reliable_jobs.checks": 6, "reliable_jobs.management": 6, "reliable_jobs.apps": 6,
     "reliable_jobs.contrib": 6,

@@ -23,7 +23,8 @@ class Command(ReliableJobsCommand):
     help = (
         "Print, for one task backend, what the admin's live dashboard shows: per queue the "
         "jobs queued, running, scheduled and dead (live from Redis, every shard of a sharded "
-        "queue summed), the workers alive, "
+        "queue summed), which queues are paused (and whether they are drained), the "
+        "workers alive, "
         "attempts succeeded and failed per minute over the last hour, and how many jobs "
         "Redis and the database disagree on, and the periodic jobs' schedules. Each "
         "queue's latency (the age of its oldest ready job and of its oldest due scheduled "
@@ -50,6 +51,7 @@ class Command(ReliableJobsCommand):
             f"(prefix {backend.config.PREFIX!r}), database {backend.config.DATABASE!r}, "
             f"at {timezone.now():%Y-%m-%d %H:%M:%S} UTC.")
         self._queues(snap)
+        self._pauses(snap)
         self._limits(snap)
         self._workers(snap)
         self._throughput(snap)
@@ -64,6 +66,23 @@ class Command(ReliableJobsCommand):
                 self.stderr.write(problem)
             raise CommandError("Some numbers are missing: a server did not answer.",
                                returncode=1)
+
+    def _pauses(self, snap: dashboard.Snapshot) -> None:
+        """Each paused queue: since when, by whom, and whether it is drained."""
+        paused = [q.pause for q in snap.queues if q.pause is not None]
+        if not paused:
+            return
+        self.stdout.write("")
+        self.stdout.write("Paused queues (no job of them starts; resume with resumequeue):")
+        for state in paused:
+            drain = ("drained, nothing runs" if state.drained
+                     else f"draining, {state.running} running")
+            lost = (f"; Redis lost the flag of {state.shards - state.flagged} of "
+                    f"{state.shards} shard(s), the next sweep puts it back"
+                    if state.flagged < state.shards else "")
+            since = f"{state.since:%Y-%m-%d %H:%M:%S}" if state.since else "?"
+            self.stdout.write(f"  {state.queue}  since {since} UTC by {state.by or '?'}  "
+                              f"{drain}{lost}")
 
     def _limits(self, snap: dashboard.Snapshot) -> None:
         """Each limit: running / cap or claims in the last window / rate, and jobs held back."""
@@ -224,6 +243,10 @@ def _queue_json(q: dashboard.QueueLine) -> dict[str, Any]:
         "name": q.name, "shard": q.shard, "queued": q.queued, "running": q.running,
         "scheduled": q.scheduled, "dead": q.dead, "oldest_ready_ms": q.oldest_ready_ms,
         "oldest_due_ms": q.oldest_due_ms, "late": q.late,
+        "paused": None if q.pause is None else {
+            "since": q.pause.since.isoformat() if q.pause.since else None, "by": q.pause.by,
+            "running": q.pause.running, "drained": q.pause.drained,
+            "shards_flagged": q.pause.flagged, "shards": q.pause.shards},
     }
     if q.shards:
         found["shards"] = [_queue_json(shard) for shard in q.shards]

@@ -35,7 +35,8 @@ class Command(ReliableJobsCommand):
         "buried (of those, deaths Redis recorded that the database lacked); recancelled "
         "(jobs cancelled in the last hour that Redis held waiting or running again, a cancel "
         "lost in a failover: cancelled again); purged (dead jobs in Redis whose row does not "
-        "exist, forgotten once RECONCILE_GRACE_MS has passed)."
+        "exist, forgotten once RECONCILE_GRACE_MS has passed); repaused (shards of paused "
+        "queues whose pause flag Redis had lost, paused again from the database)."
     )
     backend_help = "TASKS alias to sweep (default: %(default)r)."
     logging_mode = "verbosity"
