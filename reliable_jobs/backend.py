@@ -40,6 +40,7 @@ from .compat import (
     task_backends,
     task_enqueued,
 )
+from .debounce import debounce_of, push_new, refuse_run_after, replace_pending
 from .flow import Limits, TaskFlow, task_flow
 from .keys import is_valid_queue_name
 from .newjobs import Calls, NewJobsBuilder, push_on_commit, unique_rule
@@ -50,7 +51,9 @@ from .signalwatch import SignalWatch
 from .tasks import ReliableTask, lookup, rebuilt_flow
 
 if TYPE_CHECKING:
-    from .mirror import NewRow
+    from datetime import datetime
+
+    from .mirror import Absorb, NewRow
     from .models import Job
     from .staff import StaffResult
 
@@ -151,7 +154,8 @@ class ReliableJobsBackend(BaseTaskBackend):
 
         The bulk enqueue of one call. For a task with ``unique_for_ms``, an
         equal call's unfinished job (see ``unique.py``) is returned instead
-        of a new one.
+        of a new one; for a debounced one, that job if it was still pending,
+        with this call's arguments and run time (see ``debounce.py``).
         """
         with telemetry.hook.enqueue(task.queue_name, task.module_path, 1) as trace:
             return self._enqueue(task, [(args, kwargs)], trace)[0]
@@ -176,9 +180,22 @@ class ReliableJobsBackend(BaseTaskBackend):
         ensure_reachable(task)
         from . import mirror  # not at module level: see the module docstring
 
-        rule = unique_rule(task, self.database, self.broker)
+        now, push = timezone.now(), self._push
+        spec = debounce_of(task)
+        absorb: Absorb | None = None
+        if spec is not None:
+            if len(calls) > 1:  # each call debounces the one before it
+                return [self._enqueue(task, [call], trace)[0] for call in calls]
+            refuse_run_after(task)
+            task = task.using(run_after=spec.first_run_after(now))
+            push = partial(push_new, self.broker, spec)
+
+            def absorb(holder: Job, row: NewRow) -> datetime | None:
+                return replace_pending(self.broker, spec, holder, build.job(row[0]))
+
+        rule = unique_rule(task, self.database, self.broker, absorb=absorb)
         build = NewJobsBuilder(
-            task, calls, alias=self.alias, now=timezone.now(), trace=trace,
+            task, calls, alias=self.alias, now=now, trace=trace,
             max_attempts=self.task_option(task, "max_attempts"), keyed=rule is not None,
             max_bytes=self.config.MAX_PAYLOAD_BYTES,
             shards=self.config.SHARDS.get(task.queue_name, 1),
@@ -188,7 +205,7 @@ class ReliableJobsBackend(BaseTaskBackend):
             rows = list(rows)  # every call checked (and keyed) before the first write
         held = mirror.insert_jobs(self.database, build.new_jobs(rows), unique=rule)
         results, fresh = build.settle(held, lambda job: job_result(job, task, backend=self.alias))
-        push_on_commit(self._push, self.database, build.pushes_of(fresh))
+        push_on_commit(push, self.database, build.pushes_of(fresh))
         if fresh and self._enqueued_watch.observed():
             for result in fresh:
                 task_enqueued.send(type(self), task_result=result)

@@ -27,7 +27,7 @@ from .tasks import ReliableTask
 
 if TYPE_CHECKING:
     from .flow import TaskFlow
-    from .mirror import UniqueRule
+    from .mirror import Absorb, UniqueRule
     from .mirror.records import NewJobs, NewRow
     from .models import Job
 
@@ -143,6 +143,10 @@ class NewJobsBuilder:
                     fresh.append(result)
         return [by_key[key] for key in self.keys], fresh
 
+    def job(self, job_id: str) -> NewJob:
+        """The push made for the call whose job id is ``job_id`` (a debounced call's payload)."""
+        return next(job for jobs in self.pushes.values() for job in jobs if job.id == job_id)
+
     def pushes_of(self, results: Sequence[TaskResult[..., Any]]) -> dict[str, list[NewJob]]:
         """The pushes of the jobs whose ``results`` are given (those inserted), by queue."""
         if results is self.results:
@@ -153,8 +157,13 @@ class NewJobsBuilder:
         return {queue: jobs for queue, jobs in kept.items() if jobs}
 
 
-def unique_rule(task: Task[..., Any], database: str, broker: Broker) -> UniqueRule | None:
-    """How a unique task's calls are judged (None for another task), or InvalidTask."""
+def unique_rule(task: Task[..., Any], database: str, broker: Broker, *,
+                absorb: Absorb | None = None) -> UniqueRule | None:
+    """How a unique task's calls are judged (None for another task), or InvalidTask.
+
+    ``absorb`` is a debounced task's (see debounce.py): an equal call goes
+    to the key's holder only if the holder takes it.
+    """
     if getattr(task, "unique_for_ms", None) is None:
         return None
     from .mirror import UniqueRule  # not at module level: see backend's docstring
@@ -164,7 +173,8 @@ def unique_rule(task: Task[..., Any], database: str, broker: Broker) -> UniqueRu
     if problem:
         raise InvalidTask(problem)
     return UniqueRule(window_ms=task.unique_for_ms or 0, while_running=task.unique_while_running,
-                      states_in_redis=lambda rows: unique.states_in_redis(broker, rows))
+                      states_in_redis=lambda rows: unique.states_in_redis(broker, rows),
+                      absorb=absorb)
 
 
 def push_on_commit(push: Callable[[str, list[NewJob]], None], database: str,
