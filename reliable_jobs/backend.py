@@ -40,7 +40,7 @@ from .compat import (
     task_backends,
     task_enqueued,
 )
-from .debounce import debounce_of, push_new, refuse_run_after, replace_pending
+from .debounce import debounce_of
 from .flow import Limits, TaskFlow, task_flow
 from .keys import is_valid_queue_name
 from .newjobs import Calls, NewJobsBuilder, push_on_commit, unique_rule
@@ -51,9 +51,7 @@ from .signalwatch import SignalWatch
 from .tasks import ReliableTask, lookup, rebuilt_flow
 
 if TYPE_CHECKING:
-    from datetime import datetime
-
-    from .mirror import Absorb, NewRow
+    from .mirror import NewRow
     from .models import Job
     from .staff import StaffResult
 
@@ -154,8 +152,7 @@ class ReliableJobsBackend(BaseTaskBackend):
 
         The bulk enqueue of one call. For a task with ``unique_for_ms``, an
         equal call's unfinished job (see ``unique.py``) is returned instead
-        of a new one; for a debounced one, that job if it was still pending,
-        with this call's arguments and run time (see ``debounce.py``).
+        of a new one (a debounced task's takes the call: ``debounce.py``).
         """
         with telemetry.hook.enqueue(task.queue_name, task.module_path, 1) as trace:
             return self._enqueue(task, [(args, kwargs)], trace)[0]
@@ -180,31 +177,26 @@ class ReliableJobsBackend(BaseTaskBackend):
         ensure_reachable(task)
         from . import mirror  # not at module level: see the module docstring
 
-        now, push = timezone.now(), self._push
-        spec = debounce_of(task)
-        absorb: Absorb | None = None
+        spec, now = debounce_of(task), timezone.now()
         if spec is not None:
             if len(calls) > 1:  # each call debounces the one before it
                 return [self._enqueue(task, [call], trace)[0] for call in calls]
-            refuse_run_after(task)
-            task = task.using(run_after=spec.first_run_after(now))
-            push = partial(push_new, self.broker, spec)
-
-            def absorb(holder: Job, row: NewRow) -> datetime | None:
-                return replace_pending(self.broker, spec, holder, build.job(row[0]))
-
-        rule = unique_rule(task, self.database, self.broker, absorb=absorb)
+            task = spec.task_at(task, now)
         build = NewJobsBuilder(
             task, calls, alias=self.alias, now=now, trace=trace,
-            max_attempts=self.task_option(task, "max_attempts"), keyed=rule is not None,
+            max_attempts=self.task_option(task, "max_attempts"),
+            keyed=getattr(task, "unique_for_ms", None) is not None,
             max_bytes=self.config.MAX_PAYLOAD_BYTES,
             shards=self.config.SHARDS.get(task.queue_name, 1),
             flow=self.task_flow(task, task.module_path))
+        rule = unique_rule(task, self.database, self.broker,
+                           absorb=spec.absorb(self.broker, build.job) if spec else None)
         rows: Iterable[NewRow] = build.rows()
         if rule is not None or len(calls) == 1:
             rows = list(rows)  # every call checked (and keyed) before the first write
         held = mirror.insert_jobs(self.database, build.new_jobs(rows), unique=rule)
         results, fresh = build.settle(held, lambda job: job_result(job, task, backend=self.alias))
+        push = spec.push(self.broker) if spec else self._push
         push_on_commit(push, self.database, build.pushes_of(fresh))
         if fresh and self._enqueued_watch.observed():
             for result in fresh:

@@ -22,14 +22,17 @@ last call's arguments and due time.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .broker import REDIS_ERRORS, Broker, DebounceOutcome, NewJob
 from .compat import InvalidTask
 
 if TYPE_CHECKING:
+    from .mirror import Absorb, NewRow
     from .models import Job
 
 logger = logging.getLogger("reliable_jobs")
@@ -82,9 +85,28 @@ class Debounce:
     #: 0: no bound (debounce.lua's spelling of None).
     max_wait_ms: int
 
-    def first_run_after(self, now: datetime) -> datetime:
-        """The run_after a new job's row gets (Redis's due time, on its clock, comes on push)."""
-        return now + timedelta(milliseconds=self.debounce_ms)
+    def task_at(self, task: Any, now: datetime) -> Any:
+        """``task`` as a call at ``now`` enqueues it: run_after ``debounce_ms`` ahead.
+
+        That is the new row's run_after; Redis's due time, on its own clock,
+        is set when the job is pushed. A call given its own run_after is
+        refused (InvalidTask).
+        """
+        if task.run_after is not None:
+            raise InvalidTask(
+                f"{task.module_path} is debounced: its run time is debounce_ms after the last "
+                "call, so it takes no run_after.")
+        return task.using(run_after=now + timedelta(milliseconds=self.debounce_ms))
+
+    def absorb(self, broker: Broker, job_of: Callable[[str], NewJob]) -> Absorb:
+        """How an equal call goes to a pending holder (``job_of``: the call's push, by id)."""
+        def absorb(holder: Job, row: NewRow) -> datetime | None:
+            return replace_pending(broker, self, holder, job_of(row[0]))
+        return absorb
+
+    def push(self, broker: Broker) -> Callable[[str, list[NewJob]], None]:
+        """How the new jobs of a committed enqueue go to Redis (see :func:`push_new`)."""
+        return partial(push_new, broker, self)
 
 
 def debounce_of(task: object) -> Debounce | None:
@@ -93,14 +115,6 @@ def debounce_of(task: object) -> Debounce | None:
     if debounce_ms is None:
         return None
     return Debounce(debounce_ms, getattr(task, "max_wait_ms", None) or 0)
-
-
-def refuse_run_after(task: Any) -> None:
-    """Raise InvalidTask for a debounced call given its own run_after."""
-    if task.run_after is not None:
-        raise InvalidTask(
-            f"{task.module_path} is debounced: its run time is debounce_ms after the last "
-            "call, so it takes no run_after.")
 
 
 def push_new(broker: Broker, spec: Debounce, queue: str, jobs: list[NewJob]) -> None:
