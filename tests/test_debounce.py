@@ -210,6 +210,52 @@ def test_twenty_threads_calling_at_once_make_one_job_with_one_of_their_arguments
     assert row.args == args and epoch_ms(row.run_after) == due  # type: ignore[arg-type]
 
 
+def test_a_call_waits_for_the_row_of_an_equal_call_that_redis_already_took(
+    backend: ReliableJobsBackend, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given: a pending job, and call A paused after Redis took it, before its
+    # row is written (its transaction holds the row's lock)
+    broker = backend.broker
+    first = settle.enqueue("a", 0)
+    ask_redis = broker.debounce
+    a_asked, b_done = threading.Event(), threading.Event()
+
+    def pause_a(queue: str, job: NewJob, **kwargs: Any) -> Any:
+        done = ask_redis(queue, job, **kwargs)
+        if threading.current_thread().name == "A":
+            a_asked.set()
+            b_done.wait(timeout=1.0)  # B cannot finish while A holds the row's lock
+        return done
+
+    monkeypatch.setattr(broker, "debounce", pause_a)
+    errors: list[BaseException] = []
+
+    def call(n: int, after: threading.Event | None, then: threading.Event | None) -> None:
+        try:
+            if after is not None:
+                assert after.wait(timeout=10)
+            settle.enqueue("a", n)
+            if then is not None:
+                then.set()
+        except BaseException as exc:  # reported by the test thread
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    # When: call B comes meanwhile
+    threads = [threading.Thread(target=call, args=(1, None, None), name="A"),
+               threading.Thread(target=call, args=(2, a_asked, b_done), name="B")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert not any(thread.is_alive() for thread in threads) and not errors, errors
+
+    # Then: B went after A, in Redis and in the row: both hold B's arguments
+    assert held(broker, first.id)[0] == ["a", 2]
+    assert Job.objects.get(pk=first.id).args == ["a", 2]
+
+
 # -- calls once the job left the pending state ---------------------------------------
 
 
