@@ -217,17 +217,17 @@ def test_a_call_waits_for_the_row_of_an_equal_call_that_redis_already_took(
     # row is written (its transaction holds the row's lock)
     broker = backend.broker
     first = settle.enqueue("a", 0)
-    ask_redis = broker.debounce
+    ask_redis = Broker.debounce
     a_asked, b_done = threading.Event(), threading.Event()
 
-    def pause_a(queue: str, job: NewJob, **kwargs: Any) -> Any:
-        done = ask_redis(queue, job, **kwargs)
+    def pause_a(self: Broker, queue: str, job: NewJob, **kwargs: Any) -> Any:
+        done = ask_redis(self, queue, job, **kwargs)
         if threading.current_thread().name == "A":
             a_asked.set()
             b_done.wait(timeout=1.0)  # B cannot finish while A holds the row's lock
         return done
 
-    monkeypatch.setattr(broker, "debounce", pause_a)
+    monkeypatch.setattr(Broker, "debounce", pause_a)  # each thread has its own backend
     errors: list[BaseException] = []
 
     def call(n: int, after: threading.Event | None, then: threading.Event | None) -> None:
