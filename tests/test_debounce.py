@@ -436,3 +436,21 @@ def test_a_real_worker_runs_a_burst_once_with_the_last_arguments_after_the_quiet
     assert (job.args, job.return_value) == (["burst", 9], 9)
     waited = (job.started_at - last_call).total_seconds()
     assert 1.99 <= waited < 2.6, waited
+
+
+# -- the system check --------------------------------------------------------------------
+
+
+def test_a_debounce_shorter_than_the_sweep_interval_is_warned_about(rj_settings: Any) -> None:
+    # Given: this module's tasks debounce for 30 s and 60 s
+    rj_settings(SWEEP_INTERVAL_MS=1_000)
+    assert [m for m in task_backends["default"].check() if m.id == "reliable_jobs.W029"] == []
+
+    # When: the sweep runs less often than one of them asks
+    rj_settings(SWEEP_INTERVAL_MS=45_000)
+    warned = [m for m in task_backends["default"].check() if m.id == "reliable_jobs.W029"]
+
+    # Then: W029 names it (and only it)
+    assert len(warned) == 1
+    assert settle_at_most.module_path in warned[0].msg
+    assert f"{settle.module_path}," not in warned[0].msg

@@ -25,6 +25,8 @@ docs/explanation/guarantees.md and docs/design.md:
 - a claim whose lease ran out is not started; a job handed back by a
   stopping worker does not start elsewhere while that worker still runs
   it; an equal call of a unique task is not merged into a job that began;
+- a debounced call joins only a pending job, and a pending debounced job
+  runs the call its row holds;
 
 and, at the end of each example, that once every fault stops and the
 sweep, reconcile and a fresh worker have run, every job is succeeded, dead
@@ -39,8 +41,10 @@ acted in Redis (a worker batch, reconcile, every staff action); a push is
 late (a producer's on-commit push, held across steps) or slow (a rebuild's
 push, overtaken by the job's late push or by a loss of Redis data); staff
 cancel and reprioritize one job at once; unique calls arrive while their
-job runs. Time passes only when a step says so (the machine moves every
-deadline Redis holds), so a replayed program does what it did.
+job runs; debounced calls arrive at every stage of their job (pending,
+promoted, claimed, running, lost by Redis). Time passes only when a step
+says so (the machine moves every deadline Redis holds), so a replayed
+program does what it did.
 
 The helpers a reader needs to replay a failure by hand live in
 ``tests/model_helpers.py``.
@@ -101,6 +105,7 @@ def replay(*steps: Callable[[QueueMachine], object]) -> None:
         machine.unfinished_rows_are_reachable()
         machine.waiting_jobs_wait_at_their_priority()
         machine.waiting_jobs_take_their_turn_in_their_group()
+        machine.pending_debounced_jobs_run_their_rows_call()
     machine.teardown()
 
 
