@@ -28,6 +28,7 @@ from reliable_jobs.broker import (
     Applied,
     Broker,
     ClaimedJob,
+    DebounceOutcome,
     NewJob,
     QueueCounts,
     RecoveredJob,
@@ -961,6 +962,8 @@ def _odd_calls(broker: Broker, held: ClaimedJob) -> dict[str, Callable[[], Any]]
         "revive": lambda: broker.revive(Q, "odd", extra_attempts=1) is False,
         "start": lambda: broker.start(Q, [("odd", 1, 0), fence]) == [0, 1],
         "claim": lambda: broker.claim(Q, count=5, lease_ms=LONG_LEASE_MS).garbage == ["odd"],
+        "debounce": lambda: broker.debounce(Q, new_job("odd"), debounce_ms=1_000, max_wait_ms=0,
+                                            replace=True).outcome is DebounceOutcome.REFUSED,
     }
 
 
@@ -1758,6 +1761,10 @@ def run_every_script(broker: Broker, queue: str) -> None:
     broker.enqueue(queue, [NewJob("urgent", "{}", 3, priority=5)])
     broker.reprioritize(queue, "urgent", -5)
     broker.claim(queue, count=10, lease_ms=SHORT_LEASE_MS)
+    # Debounce: a debounced job made, then pushed back.
+    for replace in (False, True):
+        broker.debounce(queue, new_job("debounced"), debounce_ms=60_000, max_wait_ms=0,
+                        replace=replace)
 
 
 def test_every_key_the_broker_passes_shares_the_queues_slot(broker: Broker) -> None:
