@@ -16,11 +16,10 @@ weights claim.lua parses, hence the narrow alphabet of
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
-from functools import lru_cache
 from typing import Any, Protocol
 
+from . import callargs
 from .compat import FairKey, InvalidTask
 from .keys import FAIR_GROUP_RE
 
@@ -49,9 +48,8 @@ def check_options(task: FairTask) -> None:
         raise InvalidTask(
             f"fair_key must be a function of the call's arguments or the name of one "
             f"argument, not {fair_key!r}.")
-    parameters = _parameters(task.func, task.takes_context)
-    if (fair_key not in parameters and not any(
-            p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())):
+    parameters = callargs.parameters(task)
+    if fair_key not in parameters and not callargs.has_extra_keywords(task):
         raise InvalidTask(
             f"fair_key names {fair_key!r}, which is not an argument of "
             f"{task.func.__qualname__}() (it takes {', '.join(parameters) or 'none'}).")
@@ -74,7 +72,8 @@ def group_for(task: FairTask, args: Sequence[Any], kwargs: dict[str, Any]) -> st
                 f"The fair_key function of {task.module_path} cannot be called with these "
                 f"arguments ({exc}).") from None
     else:
-        value = _bind(task, args, kwargs).get(fair_key)
+        arguments = callargs.bind(task, args, kwargs, purpose="fair group", flatten_extra=True)
+        value = arguments.get(fair_key)
     return as_group(value, task.module_path)
 
 
@@ -89,34 +88,3 @@ def as_group(value: object, where: str) -> str:
             f"The fair key of {where} is {value!r}: a fair group must be a whole number or "
             "1 to 100 letters, digits, '.', '_', ':', '@' or '-' (or None for no group).")
     return value
-
-
-def _bind(task: FairTask, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The call's arguments by parameter name, defaults filled in (extra keywords too)."""
-    signature = _signature(task.func)
-    try:
-        bound = (signature.bind(None, *args, **kwargs) if task.takes_context
-                 else signature.bind(*args, **kwargs))
-    except TypeError as exc:
-        raise InvalidTask(
-            f"{task.module_path} cannot be called with these arguments ({exc}), so the "
-            "call's fair group cannot be found.") from None
-    bound.apply_defaults()
-    arguments = dict(bound.arguments)
-    for parameter in signature.parameters.values():
-        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
-            arguments.update(arguments.pop(parameter.name, {}))
-    return arguments
-
-
-@lru_cache(maxsize=1024)
-def _signature(func: Callable[..., Any]) -> inspect.Signature:
-    return inspect.signature(func)
-
-
-def _parameters(func: Callable[..., Any], takes_context: bool) -> dict[str, inspect.Parameter]:
-    """The parameters a caller passes (the context parameter left out)."""
-    parameters = dict(_signature(func).parameters)
-    if takes_context and parameters:
-        parameters.pop(next(iter(parameters)))
-    return parameters

@@ -18,9 +18,9 @@ import inspect
 import json
 import logging
 from collections.abc import Callable, Sequence
-from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Protocol
 
+from . import callargs
 from .broker import REDIS_ERRORS, Broker
 from .compat import InvalidTask, UniqueBy
 
@@ -75,8 +75,8 @@ def check_options(task: UniqueTask) -> None:
     if not unique_by or not all(isinstance(name, str) for name in unique_by):
         raise InvalidTask(
             f"unique_by must name at least one argument, each as a string, not {unique_by!r}.")
-    parameters = _parameters(task.func, task.takes_context)
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+    parameters = callargs.parameters(task)
+    if not callargs.has_extra_keywords(task):
         unknown = [name for name in unique_by if name not in parameters]
         if unknown:
             raise InvalidTask(
@@ -135,12 +135,12 @@ def key_for(task: UniqueTask, alias: str, args: Sequence[Any], kwargs: dict[str,
     if unique_by is not None and callable(unique_by):
         material: Any = unique_by(*args, **kwargs)
     else:
-        bound = _bind(task, args, kwargs)
+        bound = callargs.bind(task, args, kwargs, purpose="unique key")
         if unique_by is None:
             material = bound
         else:
             extra: dict[str, Any] = next((bound.get(p.name, {}) for p in
-                          _parameters(task.func, task.takes_context).values()
+                          callargs.parameters(task).values()
                           if p.kind is inspect.Parameter.VAR_KEYWORD), {})
             material = {name: bound[name] if name in bound else extra.get(name)
                         for name in unique_by}
@@ -152,33 +152,3 @@ def key_for(task: UniqueTask, alias: str, args: Sequence[Any], kwargs: dict[str,
         raise InvalidTask(
             f"The unique key of {task.module_path} is not JSON ({exc}): unique_by must "
             "return numbers, strings, lists, dicts, booleans or None.") from None
-
-
-def _bind(task: UniqueTask, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The call's arguments by parameter name, defaults filled in."""
-    signature = _signature(task.func)
-    try:
-        bound = (signature.bind(None, *args, **kwargs) if task.takes_context
-                 else signature.bind(*args, **kwargs))
-    except TypeError as exc:
-        raise InvalidTask(
-            f"{task.module_path} cannot be called with these arguments ({exc}), so the "
-            "call's unique key cannot be computed.") from None
-    bound.apply_defaults()
-    arguments = dict(bound.arguments)
-    if task.takes_context:
-        arguments.pop(next(iter(signature.parameters)))
-    return arguments
-
-
-@lru_cache(maxsize=1024)
-def _signature(func: Callable[..., Any]) -> inspect.Signature:
-    return inspect.signature(func)
-
-
-def _parameters(func: Callable[..., Any], takes_context: bool) -> dict[str, inspect.Parameter]:
-    """The parameters a caller passes (the context parameter left out)."""
-    parameters = dict(_signature(func).parameters)
-    if takes_context and parameters:
-        parameters.pop(next(iter(parameters)))
-    return parameters

@@ -67,10 +67,12 @@ def test_a_success_mirrored_before_a_crash_is_settled_not_rerun_or_buried(
 ) -> None:
     # Given: a worker that dies after writing its outcomes to the mirror and
     # before its ack reaches Redis, with max_attempts jobs of budget each
-    env = rj_settings(MAX_ATTEMPTS=max_attempts)
+    # (a lease of 5 s, not the suite's 1 s: on a loaded machine a 1-s lease can lapse
+    # before the victim's outcome is written, and a fenced-out outcome is refused)
+    env = rj_settings(MAX_ATTEMPTS=max_attempts, LEASE_MS=5_000)
     results = [demo.add.enqueue(i, 100) for i in range(5)]
     victim = processes.worker(env, extra_env={"RJ_CRASH_AT": "before_ack"})
-    assert victim.wait(timeout=30) == CRASHED, processes.log(victim)
+    assert victim.wait(timeout=60) == CRASHED, processes.log(victim)
 
     mirrored = set(Attempt.objects.filter(outcome=AttemptOutcome.SUCCEEDED)
                    .values_list("job_id", flat=True))
@@ -84,7 +86,7 @@ def test_a_success_mirrored_before_a_crash_is_settled_not_rerun_or_buried(
                and redis_client.llen(KEYS.landing) == 0
                and redis_client.llen(KEYS.queued) == 0
                and not Job.objects.filter(pk__in=[r.id for r in results],
-                                          state__in=UNFINISHED_STATES).exists(), timeout=30,
+                                          state__in=UNFINISHED_STATES).exists(), timeout=60,
                message="the expired attempts to be settled")
 
     # Then: every job whose success reached the mirror succeeded exactly once,

@@ -25,7 +25,7 @@ LAYERS: dict[str, int] = {
     "reliable_jobs.retry": 0, "reliable_jobs.payload": 0, "reliable_jobs.conf": 0,
     "reliable_jobs.scripts": 0, "reliable_jobs.reachability": 0, "reliable_jobs.cancellation": 0,
     "reliable_jobs.periodic.timetable": 0, "reliable_jobs.periodic.declared": 0,
-    "reliable_jobs.periodic": 0, "reliable_jobs.flow": 0,
+    "reliable_jobs.periodic": 0, "reliable_jobs.flow": 0, "reliable_jobs.callargs": 0,
     # 1 broker: the Redis side, and what only observes it.
     "reliable_jobs.broker": 1, "reliable_jobs.handoff": 1, "reliable_jobs.telemetry": 1,
     "reliable_jobs.tracing": 1, "reliable_jobs.parts": 1,
