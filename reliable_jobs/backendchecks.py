@@ -221,9 +221,10 @@ def _check_debounced_tasks(where: str,
                            backend: ReliableJobsBackend) -> list[checks.CheckMessage]:
     """W029 when a debounced task's quiet period is shorter than the sweep's interval.
 
-    A due debounced job starts at the next promote, up to SWEEP_INTERVAL_MS
-    late: with a shorter debounce_ms the lateness outweighs the quiet
-    period the task asks for. Bad debounce options themselves are refused
+    A worker's sweep promotes a scheduled job at its due time only if a
+    sweep saw it before then (worker/maintenance.py): a job made and due
+    between two sweeps waits for the second, up to SWEEP_INTERVAL_MS late,
+    which outweighs the shorter quiet period the task asks for. Bad debounce options themselves are refused
     when the task is defined (InvalidTask); tasks imported by the time
     ``check`` runs are seen.
     """
@@ -239,8 +240,8 @@ def _check_debounced_tasks(where: str,
         f"{where}: {', '.join(short)} {'is' if len(short) == 1 else 'are'} debounced for less "
         f"than OPTIONS['SWEEP_INTERVAL_MS'] ({interval} ms), so each run may start more than "
         "its debounce_ms late.",
-        hint="Lower SWEEP_INTERVAL_MS (a due job starts at the next sweep's promote), or "
-             "raise debounce_ms.",
+        hint="Lower SWEEP_INTERVAL_MS to at most debounce_ms (a sweep must see the job "
+             "before it is due), or raise debounce_ms.",
         id="reliable_jobs.W029",
     )]
 
