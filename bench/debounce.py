@@ -16,10 +16,10 @@
 
 Both take ``--sweep-interval-ms`` (the workers' SWEEP_INTERVAL_MS, default
 1000, as in production): a worker sweeps again when the next scheduled job
-is due, so the interval matters only for a debounce shorter than it. Environment: DATABASE_URL (a database of
-its own, migrated here) and REDIS_URL (a database index of its own: the
-keys under the bench prefix are deleted before and after). Never point it
-at production.
+is due, so the interval matters only for a debounce shorter than it.
+Environment: DATABASE_URL (a database of its own, migrated here) and
+REDIS_URL (a database index of its own: the keys under the bench prefix
+are deleted before and after). Never point it at production.
 """
 
 from __future__ import annotations

@@ -224,9 +224,9 @@ def _check_debounced_tasks(where: str,
     A worker's sweep promotes a scheduled job at its due time only if a
     sweep saw it before then (worker/maintenance.py): a job made and due
     between two sweeps waits for the second, up to SWEEP_INTERVAL_MS late,
-    which outweighs the shorter quiet period the task asks for. Bad debounce options themselves are refused
-    when the task is defined (InvalidTask); tasks imported by the time
-    ``check`` runs are seen.
+    which outweighs the shorter quiet period the task asks for. Bad
+    debounce options themselves are refused when the task is defined
+    (InvalidTask); tasks imported by the time ``check`` runs are seen.
     """
     from .tasks import ReliableTask, registered
 
