@@ -412,6 +412,25 @@ def test_the_debounce_script_makes_replaces_and_refuses(server_url: str) -> None
         broker.close()
 
 
+def test_the_sweep_learns_when_the_next_scheduled_job_is_due(server_url: str) -> None:
+    broker = Broker(server_url, "rjdebounce")
+    try:
+        # Given: nothing scheduled, then jobs due in 60 s and 5 s on two queues
+        assert broker.next_due_in_ms(["q", "r"]) is None
+        for queue, job_id, debounce_ms in (("q", "later", 60_000), ("r", "sooner", 5_000)):
+            broker.debounce(queue, NewJob(job_id, "{}", 3), debounce_ms=debounce_ms,
+                            max_wait_ms=0, replace=False)
+
+        # When / Then: the sooner one, on Redis's clock
+        assert 4_000 < (broker.next_due_in_ms(["q", "r"]) or 0) <= 5_000
+        broker.client.zadd(broker.keys("r").scheduled, {"sooner": 0})
+        assert broker.next_due_in_ms(["q", "r"]) == 0
+    finally:
+        for key in broker.client.scan_iter(match="rjdebounce:*"):
+            broker.client.delete(key)
+        broker.close()
+
+
 # -- a real worker ----------------------------------------------------------------------
 
 
