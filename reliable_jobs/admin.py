@@ -157,12 +157,13 @@ class JobAdmin(ReadOnlyMixin, admin.ModelAdmin):  # type: ignore[type-arg]  # as
         (_("Timing"), {"fields": ("runs_after", "enqueued", "started", "finished", "took",
                                   "updated")}),
         (_("Arguments and result"), {"fields": ("args_json", "kwargs_json", "return_json")}),
+        (_("Progress"), {"fields": ("progress", "checkpoint_json")}),
         (_("Error"), {"fields": ("last_error", "traceback")}),
     )
     readonly_fields = ("id", "task_path", "queue", "backend", "state_badge", "attempts_of",
                        "priority", "fair_key", "runs_after", "enqueued", "started", "finished",
-                       "took", "updated", "args_json", "kwargs_json", "return_json", "last_error",
-                       "traceback")
+                       "took", "updated", "args_json", "kwargs_json", "return_json", "progress",
+                       "checkpoint_json", "last_error", "traceback")
 
     class Media:
         css = {"all": ["reliable_jobs/admin.css"]}
@@ -221,6 +222,25 @@ class JobAdmin(ReadOnlyMixin, admin.ModelAdmin):  # type: ignore[type-arg]  # as
     @admin.display(description=_("return value"))
     def return_json(self, job: Job) -> SafeString:
         return pretty_json(job.return_value)
+
+    @admin.display(description=_("progress"))
+    def progress(self, job: Job) -> SafeString | str:
+        """What the task last reported (context.progress()): done of total, as a bar."""
+        if job.progress_done is None:
+            return ""
+        if not job.progress_total:
+            return format_html("{} ({})", job.progress_done,
+                               _("attempt %(n)s") % {"n": job.progress_attempt})
+        share = max(0.0, min(1.0, job.progress_done / job.progress_total))
+        return format_html(
+            '<progress class="rj-progress" max="{}" value="{}"></progress> {} / {} ({}%, {})',
+            job.progress_total, job.progress_done, job.progress_done, job.progress_total,
+            f"{share * 100:.1f}", _("attempt %(n)s") % {"n": job.progress_attempt})
+
+    @admin.display(description=_("checkpoint"))
+    def checkpoint_json(self, job: Job) -> SafeString:
+        """Where the next attempt resumes (context.checkpoint())."""
+        return pretty_json(job.checkpoint)
 
     @admin.display(description=_("traceback"))
     def traceback(self, job: Job) -> SafeString | str:

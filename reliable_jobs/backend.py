@@ -43,7 +43,7 @@ from .compat import (
 from .debounce import debounce_of
 from .flow import Limits, TaskFlow, task_flow
 from .keys import is_valid_queue_name
-from .newjobs import Calls, NewJobsBuilder, push_on_commit, unique_rule
+from .newjobs import Calls, plan, push_on_commit
 from .parts import BackendParts, task_option
 from .reachability import ensure_reachable
 from .results import job_result
@@ -52,6 +52,7 @@ from .tasks import ReliableTask, lookup, rebuilt_flow
 
 if TYPE_CHECKING:
     from .mirror import NewRow
+    from .mirror.journal import JobProgress
     from .models import Job
     from .staff import StaffResult
 
@@ -178,19 +179,11 @@ class ReliableJobsBackend(BaseTaskBackend):
         from . import mirror  # not at module level: see the module docstring
 
         spec, now = debounce_of(task), timezone.now()
-        if spec is not None:
-            if len(calls) > 1:  # each call debounces the one before it
-                return [self._enqueue(task, [call], trace)[0] for call in calls]
-            task = spec.task_at(task, now)
-        build = NewJobsBuilder(
-            task, calls, alias=self.alias, now=now, trace=trace,
-            max_attempts=self.task_option(task, "max_attempts"),
-            keyed=getattr(task, "unique_for_ms", None) is not None,
-            max_bytes=self.config.MAX_PAYLOAD_BYTES,
-            shards=self.config.SHARDS.get(task.queue_name, 1),
-            flow=self.task_flow(task, task.module_path))
-        rule = unique_rule(task, self.database, self.broker,
-                           absorb=spec.absorb(self.broker, build.job) if spec else None)
+        if spec is not None and len(calls) > 1:  # each call debounces the one before it
+            return [self._enqueue(task, [call], trace)[0] for call in calls]
+        task = spec.task_at(task, now) if spec is not None else task
+        build, rule = plan(self.parts, task, calls, now=now, trace=trace, debounce=spec,
+                           flow=self.task_flow(task, task.module_path))
         rows: Iterable[NewRow] = build.rows()
         if rule is not None or len(calls) == 1:
             rows = list(rows)  # every call checked (and keyed) before the first write
@@ -234,6 +227,12 @@ class ReliableJobsBackend(BaseTaskBackend):
             raise TaskResultDoesNotExist(result_id) from None
         return job_result(job, self._task_for(job), backend=self.alias,
                           attempts=list(job.attempt_set.all()))
+
+    def get_progress(self, result_id: str) -> JobProgress:
+        """What a job's task last reported (context.progress(), checkpoint()): mirror/journal."""
+        from .mirror.journal import progress_of
+
+        return progress_of(self.database, result_id, backend=self.alias)
 
     def _task_for(self, job: Job) -> Task[..., Any]:
         task = lookup(job.task_path)

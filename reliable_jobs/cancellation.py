@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .compat import TaskContext
 from .exceptions import JobCancelled
@@ -91,6 +91,20 @@ class Cancellation:
             remove()
 
 
+class TaskJournal(Protocol):
+    """Where an attempt's progress and checkpoint go (mirror/journal.py's ``Journal``).
+
+    Named here so the context, in the bottom layer, needs nothing above it.
+    """
+
+    def progress(self, done: int, total: int | None = None) -> None: ...
+
+    def checkpoint(self, value: Any, *, done: int | None = None,
+                   total: int | None = None) -> bool: ...
+
+    def last_checkpoint(self) -> Any: ...
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class JobContext(_ContextBase):  # type: ignore[misc]  # frozen at run time; the stubs say not
     """The ``TaskContext`` reliable_jobs passes to tasks that take one.
@@ -99,9 +113,15 @@ class JobContext(_ContextBase):  # type: ignore[misc]  # frozen at run time; the
     checkpoint, ``sleep()`` that ends early on a cancel. In a child process
     (``timeout_ms``) a cancel kills the process instead, so there they
     always say "not cancelled" while the task is alive.
+
+    Adds progress and checkpoints: ``progress(done, total)``,
+    ``checkpoint(value)`` and ``checkpoint_value`` (the last checkpoint any
+    attempt of the job stored, so a job killed mid-way resumes from it). A
+    context made without a journal (outside a worker) keeps nothing.
     """
 
     cancellation: Cancellation = field(default_factory=Cancellation, repr=False, compare=False)
+    journal: TaskJournal | None = field(default=None, repr=False, compare=False)
 
     @property
     def cancelled(self) -> bool:
@@ -117,6 +137,32 @@ class JobContext(_ContextBase):  # type: ignore[misc]  # frozen at run time; the
         """Sleep up to ``seconds``, ending early when the job is cancelled; return
         whether it was."""
         return self.cancellation.wait(seconds)
+
+    def progress(self, done: int, total: int | None = None) -> None:
+        """Report ``done`` items of ``total`` (shown in the admin, read with get_progress()).
+
+        Cheap to call per item: written at most twice a second, and once more
+        when the attempt ends.
+        """
+        if self.journal is not None:
+            self.journal.progress(done, total)
+
+    def checkpoint(self, value: Any, *, done: int | None = None,
+                   total: int | None = None) -> bool:
+        """Store ``value`` (JSON) as where the next attempt resumes; True once committed.
+
+        False when the job is no longer this attempt's (its lease was lost
+        and another attempt holds it): the task should stop. ``done`` and
+        ``total`` report progress in the same write.
+        """
+        if self.journal is None:
+            return False
+        return self.journal.checkpoint(value, done=done, total=total)
+
+    @property
+    def checkpoint_value(self) -> Any:
+        """The job's last checkpoint (None if no attempt stored one), read once per attempt."""
+        return None if self.journal is None else self.journal.last_checkpoint()
 
 
 def raise_if_cancelled(context: TaskContext[Any, Any]) -> None:

@@ -24,6 +24,31 @@ class RetryLater(Exception):
         self.delay_ms = delay_ms
 
 
+class Snooze(Exception):
+    """Raise from a task to run it again later without using an attempt.
+
+    ``Snooze(500)`` or ``Snooze(seconds=0.5)``: the job goes back to
+    ``scheduled``, due that long from now on Redis's clock (0: queued at
+    once). The attempt is recorded as ``snoozed`` and given back (the job's
+    ``max_attempts`` grows by one, as a claim that never started is given
+    back: the attempt number itself only grows, it is the fencing token),
+    so a job may snooze any number of times and never dies of it. Its
+    checkpoint (``context.checkpoint()``) is kept for the next attempt.
+    """
+
+    def __init__(self, delay_ms: int | None = None, *, seconds: float | None = None) -> None:
+        if (delay_ms is None) == (seconds is None):
+            raise ValueError("Snooze takes a delay in milliseconds or seconds=..., not both.")
+        if seconds is not None:
+            if not isinstance(seconds, int | float) or not seconds >= 0:
+                raise ValueError("seconds must be a number >= 0.")
+            delay_ms = round(seconds * 1000)
+        if not isinstance(delay_ms, int) or isinstance(delay_ms, bool) or delay_ms < 0:
+            raise ValueError("delay_ms must be a whole number of milliseconds >= 0.")
+        super().__init__(f"snoozed for {delay_ms} ms")
+        self.delay_ms: int = delay_ms
+
+
 class PermanentFailure(Exception):
     """Raise from a task to send the job straight to ``dead``: no retry helps."""
 

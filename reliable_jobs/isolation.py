@@ -46,7 +46,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from .cancellation import Cancellation
-from .exceptions import JobCancelled, JobTimeout, PermanentFailure, RetryLater
+from .exceptions import JobCancelled, JobTimeout, PermanentFailure, RetryLater, Snooze
 from .lifetime import die_with_parent
 
 _context = multiprocessing.get_context("forkserver")
@@ -128,19 +128,21 @@ class ChildStopped(Exception):
 def run_in_child(*, payload_text: str, job_id: str, attempt: int, worker_id: str,
                  backend: str, queue: str, timeout_s: float,
                  cancellation: Cancellation | None = None,
-                 interrupt: Cancellation | None = None) -> Any:
+                 interrupt: Cancellation | None = None, gen: int = 0,
+                 database: str = "default") -> Any:
     """Run the payload's task in a fresh child; return its JSON return value.
 
     A cancel requested through ``cancellation``, or a stop through
     ``interrupt``, kills the child at once. Raises ChildStopped (an
     interrupt, whatever else happened), JobTimeout, JobCancelled, ChildDied,
-    RetryLater, PermanentFailure or ChildFailed.
+    RetryLater, Snooze, PermanentFailure or ChildFailed.
     """
     _ensure_forkserver()
     receiver, sender = _context.Pipe(duplex=False)
     child = _context.Process(
         target=_child_main,
-        args=(sender, payload_text, job_id, attempt, worker_id, backend, queue, timeout_s),
+        args=(sender, payload_text, job_id, attempt, worker_id, backend, queue, timeout_s, gen,
+              database),
         name=f"rj-job-{job_id}", daemon=True,
     )
     child.start()
@@ -174,13 +176,16 @@ def run_in_child(*, payload_text: str, job_id: str, attempt: int, worker_id: str
         return reply["value"]
     if reply["kind"] == "retry_later":
         raise RetryLater(reply["delay_ms"], reply["message"])
+    if reply["kind"] == "snooze":
+        raise Snooze(reply["delay_ms"])
     if reply["kind"] == "permanent":
         raise PermanentFailure(reply["message"])
     raise ChildFailed(reply["class_path"], reply["message"], reply["traceback"])
 
 
 def _child_main(sender: Connection, payload_text: str, job_id: str, attempt: int,
-                worker_id: str, backend: str, queue: str, timeout_s: float) -> None:
+                worker_id: str, backend: str, queue: str, timeout_s: float, gen: int = 0,
+                database: str = "default") -> None:
     """The child: resolve the task from the allow-list, run it, answer in JSON."""
     # Die with the forkserver, which dies with the worker (see the module
     # docstring); the forkserver recorded its pid before forking this child.
@@ -201,6 +206,7 @@ def _child_main(sender: Connection, payload_text: str, job_id: str, attempt: int
             raise PermanentFailure(f"{decoded.task_path!r} is not a registered task")
         if task.takes_context:
             from .cancellation import JobContext
+            from .mirror.journal import Journal
 
             result = task_result(
                 task.using(queue_name=queue), job_id=job_id, status=TaskResultStatus.RUNNING,
@@ -208,12 +214,19 @@ def _child_main(sender: Connection, payload_text: str, job_id: str, attempt: int
                 worker_ids=[worker_id] * attempt,
             )
             # The same context class as in a thread; a cancel kills this process.
-            value = task.call(JobContext(task_result=result), *decoded.args, **decoded.kwargs)
+            journal = Journal(database, job_id, attempt=attempt, gen=gen)
+            try:
+                value = task.call(JobContext(task_result=result, journal=journal),
+                                  *decoded.args, **decoded.kwargs)
+            finally:
+                journal.flush()
         else:
             value = task.call(*decoded.args, **decoded.kwargs)
         reply: dict[str, Any] = {"value": normalize_json(value)}
     except RetryLater as exc:
         reply = {"kind": "retry_later", "delay_ms": exc.delay_ms, "message": str(exc)}
+    except Snooze as exc:
+        reply = {"kind": "snooze", "delay_ms": exc.delay_ms}
     except PermanentFailure as exc:
         reply = {"kind": "permanent", "message": str(exc)}
     except Exception as exc:

@@ -85,6 +85,8 @@ class PrometheusHook(telemetry.Hook):
         self.succeeded_total = counter("jobs_succeeded", "Attempts that succeeded.")
         self.failed_total = counter("jobs_failed", "Attempts that failed (retried or dead).")
         self.retried_total = counter("jobs_retried", "Failed attempts that will be retried.")
+        self.snoozed_total = counter("jobs_snoozed", "Attempts whose task raised Snooze (no "
+                                     "failure: the job waits again, the attempt given back).")
         self.dead_total = counter("jobs_dead", "Jobs that failed for good (attempts spent or a "
                                          "permanent failure).")
         self.refused_total = counter("acks_refused", "Outcomes Redis refused: the attempt had lost "
@@ -133,6 +135,10 @@ class PrometheusHook(telemetry.Hook):
         self._child(self.failed_total, job.queue, task).inc()
         self._child(self.dead_total if state == JobState.DEAD else self.retried_total, job.queue,
                     task).inc()
+
+    def snoozed(self, job: ClaimedJob, task: str, seconds: float) -> None:
+        self._child(self.run_time, job.queue, task).observe(seconds)
+        self._child(self.snoozed_total, job.queue, task).inc()
 
     def refused(self, queue: str, task: str) -> None:
         self._child(self.refused_total, queue, task).inc()

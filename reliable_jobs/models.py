@@ -47,6 +47,8 @@ class AttemptOutcome(models.TextChoices):
     TIMED_OUT = "timed_out", _("Timed out")
     #: Cancelled by staff or code while it was claimed or running.
     CANCELLED = "cancelled", _("Cancelled")
+    #: The task raised Snooze: the job waits again, this attempt given back.
+    SNOOZED = "snoozed", _("Snoozed")
 
 
 #: Outcomes that count as an error in ``TaskResult.errors``.
@@ -96,6 +98,18 @@ class Job(models.Model):
     #: with other tenants' in its queue (fairness.py); a rebuild from the
     #: mirror puts the job back in it.
     fair_key = models.CharField(_("fair group"), max_length=100, blank=True, default="")
+
+    # What a running task said of itself (context.progress() / checkpoint(),
+    # mirror/journal.py). All NULL until it says something: the INSERT and
+    # COPY of new jobs leave these columns out.
+    #: Items done, of progress_total (None: unknown).
+    progress_done = models.BigIntegerField(_("progress done"), null=True, blank=True)
+    progress_total = models.BigIntegerField(_("progress total"), null=True, blank=True)
+    #: The last checkpoint (JSON), what the next attempt resumes from.
+    checkpoint = models.JSONField(_("checkpoint"), null=True, blank=True)
+    #: The attempt that wrote progress or the checkpoint last: an older
+    #: attempt's write (a stale worker's) never overwrites a newer one's.
+    progress_attempt = models.PositiveIntegerField(_("progress attempt"), null=True, blank=True)
 
     objects = JobQuerySet.as_manager()
 

@@ -26,10 +26,12 @@ from .results import ResultStamp, task_result
 from .tasks import ReliableTask
 
 if TYPE_CHECKING:
+    from .debounce import Debounce
     from .flow import TaskFlow
     from .mirror import Absorb, UniqueRule
     from .mirror.records import NewJobs, NewRow
     from .models import Job
+    from .parts import BackendParts
 
 #: The status of a job just enqueued, queued or scheduled (``models.TASK_STATUS``).
 NEW_JOB_STATUS = TaskResultStatus.READY
@@ -155,6 +157,22 @@ class NewJobsBuilder:
         kept = {queue: [job for job in jobs if job.id in inserted]
                 for queue, jobs in self.pushes.items()}
         return {queue: jobs for queue, jobs in kept.items() if jobs}
+
+
+def plan(parts: BackendParts, task: Task[..., Any], calls: Calls, *, now: datetime,
+         trace: str | None, flow: TaskFlow | None, debounce: Debounce | None,
+         ) -> tuple[NewJobsBuilder, UniqueRule | None]:
+    """The builder of one enqueue of ``task``'s ``calls`` on the backend ``parts``, and
+    how its calls' unique keys are judged (a debounced task's: see debounce.py)."""
+    config = parts.config
+    build = NewJobsBuilder(
+        task, calls, alias=parts.alias, now=now, trace=trace,
+        max_attempts=parts.task_option(task, "max_attempts"),
+        keyed=getattr(task, "unique_for_ms", None) is not None,
+        max_bytes=config.MAX_PAYLOAD_BYTES, shards=config.SHARDS.get(task.queue_name, 1),
+        flow=flow)
+    absorb = debounce.absorb(parts.broker, build.job) if debounce is not None else None
+    return build, unique_rule(task, config.DATABASE, parts.broker, absorb=absorb)
 
 
 def unique_rule(task: Task[..., Any], database: str, broker: Broker, *,

@@ -103,7 +103,7 @@ def _as_enqueued(task: Task[..., Any], *, queue_name: str,
     return copy
 
 
-# An attempt's result is finished by one of the three functions below, one
+# An attempt's result is finished by one of the four functions below, one
 # per outcome, before the worker sends ``task_finished`` with it.
 
 
@@ -128,6 +128,16 @@ def finish_failed(result: TaskResult[..., Any], *, exception_class_path: str, tr
                                    traceback=traceback))
     object.__setattr__(result, "status", TaskResultStatus.FAILED)
     object.__setattr__(result, "finished_at", finished_at)
+
+
+def finish_snoozed(result: TaskResult[..., Any]) -> None:
+    """Finish the ``result`` of an attempt whose task raised Snooze.
+
+    The job is not finished: it waits to run again, which Django's
+    statuses call READY (as ``get_result()`` reads a scheduled job); no
+    error is added and ``finished_at`` stays empty.
+    """
+    object.__setattr__(result, "status", TaskResultStatus.READY)
 
 
 def finish_cancelled(result: TaskResult[..., Any], *, traceback: str,

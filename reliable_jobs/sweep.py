@@ -192,6 +192,9 @@ class Sweep:
                 rows = mirror.lock_for_recovery(database, [job_id for job_id, _, _ in expired])
                 settle: list[Settlement] = []
                 allowed: list[Fence] = []
+                snoozed = mirror.snoozed_attempts(database, [
+                    (job_id, attempt) for job_id, attempt, gen in expired
+                    if _waits_after(rows.get(job_id), attempt, gen)])
                 for job_id, attempt, gen in expired:
                     row = rows.get(job_id)
                     if row is mirror.LOCKED_ELSEWHERE:
@@ -199,6 +202,10 @@ class Sweep:
                     if (row is not None and row.state in mirror.TERMINAL_STATES
                             and (row.attempts, row.generation) == (attempt, gen)):
                         settle.append(Settlement(job_id, attempt, gen, row.state, row.last_error))
+                    elif job_id in snoozed:
+                        # Its task raised Snooze and the mirror has it; the
+                        # worker died before snooze.lua ran: snooze it now.
+                        settle.append(Settlement(job_id, attempt, gen, "snoozed"))
                     elif (row is not None and row.state == JobState.CANCELLED
                           and row.generation == gen):
                         # Cancelled while it ran (the row may lag behind on
@@ -468,3 +475,10 @@ class Sweep:
                 continue
             on_pass(report, (time.monotonic() - started) * 1000)
             stop.wait(max(0.0, interval_s - (time.monotonic() - started)))
+
+
+def _waits_after(row: object, attempt: int, gen: int) -> bool:
+    """Whether a locked row waits again after exactly this attempt (a retry or a snooze)."""
+    return (isinstance(row, mirror.RowState) and row.state in (JobState.SCHEDULED,
+                                                                 JobState.QUEUED)
+            and (row.attempts, row.generation) == (attempt, gen))

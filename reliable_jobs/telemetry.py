@@ -47,6 +47,10 @@ class Hook:
         """An attempt ended: ``state`` is the job state it leaves (succeeded, queued,
         scheduled or dead), ``seconds`` its run time."""
 
+    def snoozed(self, job: ClaimedJob, task: str, seconds: float) -> None:
+        """An attempt's task raised Snooze (no failure: the job waits, attempt given
+        back); ``seconds`` its run time."""
+
     def refused(self, queue: str, task: str) -> None:
         """Redis refused an attempt's outcome: the attempt no longer held its job."""
 
@@ -77,6 +81,10 @@ class Fanout(Hook):
                  seconds: float, error: BaseException | None = None) -> None:
         for h in self.hooks:
             h.finished(job, task, state, seconds, error)
+
+    def snoozed(self, job: ClaimedJob, task: str, seconds: float) -> None:
+        for h in self.hooks:
+            h.snoozed(job, task, seconds)
 
     def refused(self, queue: str, task: str) -> None:
         for h in self.hooks:

@@ -37,7 +37,7 @@ from reliable_jobs import mirror, staff
 from reliable_jobs.broker import Applied, Broker, ClaimedJob, Fence, NewJob
 from reliable_jobs.compat import task_backends
 from reliable_jobs.mirror import AttemptRecord
-from reliable_jobs.models import UNFINISHED_STATES, AttemptOutcome, Job, JobState
+from reliable_jobs.models import UNFINISHED_STATES, Attempt, AttemptOutcome, Job, JobState
 from reliable_jobs.sweep import Sweep
 from reliable_jobs.worker.finisher import FinishedAttempt
 from testproject.demo import tasks as demo
@@ -495,7 +495,8 @@ class QueueMachine(RuleBasedStateMachine):
     @rule(index=st.integers(0, 20),
           # Success twice as likely: most attempts succeed, and most bugs
           # worth finding are about a success recorded at the wrong time.
-          outcome=st.sampled_from(["succeeded", "succeeded", "queued", "scheduled", "dead"]),
+          outcome=st.sampled_from(["succeeded", "succeeded", "queued", "scheduled", "dead",
+                                   "snoozed"]),
           ack_now=st.booleans(), commit_now=st.booleans())
     def finish(self, index: int, outcome: str, ack_now: bool, commit_now: bool = True) -> None:
         """The task ended: mirror the outcome (committed), then ack or nack it.
@@ -516,8 +517,17 @@ class QueueMachine(RuleBasedStateMachine):
             worker.committing.append(finished)
 
     def outcome(self, worker: SimWorker, job: ClaimedJob, outcome: str) -> FinishedAttempt:
-        """What the executor hands the finisher when a task ends (executor.py)."""
+        """What the executor hands the finisher when a task ends (executor.py).
+
+        A snooze (``Snooze(RETRY_DELAY_MS)``) never turns into a death: it
+        gives its attempt back, whatever attempt it is.
+        """
         now = timezone.now()
+        if outcome == "snoozed":
+            return FinishedAttempt(mirror.snoozed_record(
+                job.id, job.attempt, gen=job.gen, delay_ms=RETRY_DELAY_MS,
+                max_attempts=job.max_attempts, worker_id=worker.name, started_at=now),
+                job=job, delay_ms=RETRY_DELAY_MS, snoozed=True)
         if outcome != "succeeded" and job.attempt >= job.max_attempts:
             outcome = "dead"
         if outcome == "succeeded":
@@ -846,6 +856,20 @@ class QueueMachine(RuleBasedStateMachine):
         for job_id, holders in current.items():
             if len(holders) > 1:
                 self.fail(f"job {job_id} has {len(holders)} current tokens: {sorted(holders)}")
+
+    @invariant()
+    def snoozes_never_bury_a_job(self) -> None:
+        """A job whose every recorded attempt was a snooze is not dead: a snooze uses no attempt."""
+        dead = list(Job.objects.filter(state=JobState.DEAD).values_list("pk", flat=True))
+        if not dead:
+            return
+        outcomes: dict[str, set[str]] = {}
+        for job_id, outcome in Attempt.objects.filter(job_id__in=dead).values_list(
+                "job_id", "outcome"):
+            outcomes.setdefault(str(job_id), set()).add(outcome)
+        for job_id, seen in outcomes.items():
+            if seen == {AttemptOutcome.SNOOZED}:
+                self.fail(f"job {job_id} is dead though every attempt it recorded snoozed")
 
     @invariant()
     def finished_rows_stay_finished(self) -> None:

@@ -69,7 +69,7 @@ def test_a_success_mirrored_before_a_crash_is_settled_not_rerun_or_buried(
     # before its ack reaches Redis, with max_attempts jobs of budget each
     # (a lease of 5 s, not the suite's 1 s: on a loaded machine a 1-s lease can lapse
     # before the victim's outcome is written, and a fenced-out outcome is refused)
-    env = rj_settings(MAX_ATTEMPTS=max_attempts, LEASE_MS=5_000)
+    env = rj_settings(MAX_ATTEMPTS=max_attempts, LEASE_MS=5_000, RECONCILE_GRACE_MS=5_000)
     results = [demo.add.enqueue(i, 100) for i in range(5)]
     victim = processes.worker(env, extra_env={"RJ_CRASH_AT": "before_ack"})
     assert victim.wait(timeout=60) == CRASHED, processes.log(victim)

@@ -370,3 +370,26 @@ def test_runworker_without_a_metrics_port_stops_counting_and_in_multiprocess_mod
                           capture_output=True, timeout=60).stdout
     assert value(samples(text), "reliable_jobs_jobs_succeeded_total", queue="default",
                  task=ADD) == 1
+
+
+def test_a_snooze_is_counted_as_a_snooze_never_as_a_failure(
+    rj_settings: Any, processes: Processes
+) -> None:
+    # Given: a worker serving its metrics, and a job that snoozes twice, then adds
+    env = rj_settings()
+    port = free_port()
+    worker = processes.worker(env, "--metrics-port", str(port))
+    scrape_when_up(port)
+    job = demo.snooze_then_add.enqueue(2, 1, 1)
+
+    # When it runs to its success
+    wait_until(lambda: Job.objects.get(pk=job.id).state == JobState.SUCCEEDED, timeout=30,
+               message="the job to succeed")
+
+    # Then two snoozes and one success are counted, no failure
+    task = "testproject.demo.tasks.snooze_then_add"
+    found = scrape(port)
+    assert value(found, "reliable_jobs_jobs_snoozed_total", queue="default", task=task) == 2
+    assert value(found, "reliable_jobs_jobs_succeeded_total", queue="default", task=task) == 1
+    assert value(found, "reliable_jobs_jobs_failed_total", queue="default", task=task) == 0
+    assert processes.stop(worker) == 0

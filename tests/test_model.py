@@ -22,6 +22,7 @@ docs/explanation/guarantees.md and docs/design.md:
   Redis took (its ack applied) is in the mirror;
 - Redis and the row agree on the generation: a job Redis may run has its
   row's generation, or the mirror refuses every record of it;
+- a job whose every attempt snoozed is never dead (a snooze uses no attempt);
 - a claim whose lease ran out is not started; a job handed back by a
   stopping worker does not start elsewhere while that worker still runs
   it; an equal call of a unique task is not merged into a job that began;
@@ -106,6 +107,7 @@ def replay(*steps: Callable[[QueueMachine], object]) -> None:
         machine.waiting_jobs_wait_at_their_priority()
         machine.waiting_jobs_take_their_turn_in_their_group()
         machine.pending_debounced_jobs_run_their_rows_call()
+        machine.snoozes_never_bury_a_job()
     machine.teardown()
 
 
@@ -362,4 +364,22 @@ def test_a_claim_whose_lease_expired_is_not_started(model_settings: None) -> Non
         lambda m: m.claim(k=0, count=1, start=False),
         lambda m: m.pause(),
         lambda m: m.start(index=0, record_start=True),
+    )
+
+
+def test_snoozes_never_use_up_a_jobs_attempts(model_settings: None) -> None:
+    """A job of three attempts snoozes three times, then is claimed again: were a
+    snooze to use an attempt, the claim would bury it with no attempt left though
+    its task never failed. (snooze.lua gives the attempt back.)"""
+    snooze_once = (
+        lambda m: m.claim(k=0, count=1, start=True),
+        lambda m: m.finish(index=0, outcome="snoozed", ack_now=True),
+        lambda m: m.pause(),
+        lambda m: m.sweep(expire=False, stall=False, crash=False),
+    )
+    replay(
+        lambda m: m.enqueue(deferred=False, late=False),
+        *snooze_once, *snooze_once, *snooze_once,
+        lambda m: m.claim(k=0, count=1, start=True),
+        lambda m: m.finish(index=0, outcome="succeeded", ack_now=True),
     )

@@ -957,6 +957,7 @@ def _odd_calls(broker: Broker, held: ClaimedJob) -> dict[str, Callable[[], Any]]
             Q, lease_ms=LONG_LEASE_MS, settle=[Settlement("odd", 1, 0, "succeeded")]
         ).outcomes == [RecoveredJob("odd", 0, "garbage")],
         "release": lambda: broker.release(Q, [("odd", 1, 0, True), (*fence, False)]) == [0, 1],
+        "snooze": lambda: broker.snooze(Q, [("odd", 1, 0, 0), (*fence, 0)]) == [0, 1],
         "reprioritize": lambda: broker.reprioritize(Q, "odd", 5)[:2] == (False, ""),
         "requeue": lambda: broker.requeue(Q, "odd") == (False, ""),
         "revive": lambda: broker.revive(Q, "odd", extra_attempts=1) is False,
@@ -1760,7 +1761,9 @@ def run_every_script(broker: Broker, queue: str) -> None:
     # Priorities: a job on a band of its own, moved to another, then claimed.
     broker.enqueue(queue, [NewJob("urgent", "{}", 3, priority=5)])
     broker.reprioritize(queue, "urgent", -5)
-    broker.claim(queue, count=10, lease_ms=SHORT_LEASE_MS)
+    claimed = broker.claim(queue, count=10, lease_ms=SHORT_LEASE_MS).jobs
+    # A task that snoozes: back to wait, its attempt given back.
+    broker.snooze(queue, [(*job.fence, 0) for job in claimed])
     # Debounce: a debounced job made, then pushed back.
     for replace in (False, True):
         broker.debounce(queue, new_job("debounced"), debounce_ms=60_000, max_wait_ms=0,

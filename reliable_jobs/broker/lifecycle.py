@@ -1,6 +1,6 @@
 """A job's life on Redis: the typed wrappers of the scripts workers and the sweep run.
 
-Claim, start, ack, nack, extend, release (workers), and expired, recover,
+Claim, start, ack, nack, snooze, extend, release (workers), and expired, recover,
 promote (the sweep): each one fenced script call; see their Lua headers.
 """
 
@@ -166,6 +166,25 @@ class Lifecycle(BrokerCore):
         applied = _applied(self._run("nack", keys, args))
         self._wake(queue, any(ok == Applied.DONE and entry[3] == 0
                               for ok, entry in zip(applied, failed, strict=True)))
+        return applied
+
+    def snooze(self, queue: str, snoozed: Sequence[tuple[str, int, int, int]]
+               ) -> list[Applied]:
+        """Put (id, attempt, gen, delay_ms) back to wait, each attempt given back, fenced.
+
+        DONE (due ``delay_ms`` from now on Redis's clock, its max_attempts one
+        more), CANCELLED (marked while it ran: finished as cancelled instead)
+        or REFUSED (the attempt is no longer held: nothing changed).
+        """
+        if not snoozed:
+            return []
+        k = self.keys(queue)
+        args = [x for entry in snoozed for x in entry]
+        keys = (k.queued, k.leases, k.scheduled, k.wake, k.job_prefix, k.bands, k.band_prefix,
+                *k.fair)
+        applied = _applied(self._run("snooze", keys, args))
+        self._wake(queue, any(ok == Applied.DONE and entry[3] == 0
+                              for ok, entry in zip(applied, snoozed, strict=True)))
         return applied
 
     def extend(self, queue: str, held: Sequence[Fence], *, lease_ms: int) -> list[Applied]:

@@ -155,7 +155,7 @@ class Settlement:
     id: str
     attempt: int
     gen: int
-    #: 'succeeded', 'dead' or 'cancelled'.
+    #: 'succeeded', 'dead', 'cancelled' or 'snoozed' (queued again, attempt given back).
     final: str
     error: str = ""
 

@@ -86,6 +86,7 @@ from .reconcile import (
     next_generation,
     rebuilt_job,
     reconcile_candidates,
+    snoozed_attempts,
 )
 from .records import (
     ABANDONED_ERROR,
@@ -102,6 +103,7 @@ from .records import (
     expired_record,
     make_storable,
     new_state,
+    snoozed_record,
 )
 
 __all__ = [
@@ -112,7 +114,7 @@ __all__ = [
     "lock_for_recovery", "lock_job", "lock_prunable", "lock_recent_cancels",
     "lock_unfinished", "mark_cancelled", "mark_priority", "mark_queued_again", "mark_rebuilt",
     "new_state", "next_generation", "raise_budgets", "rebuilt_job", "reconcile_candidates",
-    "record",
+    "record", "snoozed_attempts", "snoozed_record",
 ]
 
 

@@ -18,14 +18,15 @@ from datetime import datetime
 from typing import Any
 
 from django.db import IntegrityError, transaction
-from django.db.models import Q
-from django.db.models.functions import Coalesce, Now
+from django.db.models import Exists, OuterRef, Q
+from django.db.models.functions import Coalesce, Greatest, Now
 from django.utils import timezone
 
 from ..faults import stop_point
 from ..models import UNFINISHED_STATES, Attempt, AttemptOutcome, Job, JobState
 from .records import (
     ABANDONED_ERROR,
+    FINISHED_STATES,
     RAN_OUTCOMES,
     TERMINAL_STATES,
     AttemptRecord,
@@ -118,6 +119,29 @@ def write_batch(using: str, merged: Sequence[AttemptRecord],
                 closing |= Q(job_id=rec.job_id, number__lt=rec.attempt)
             Attempt.objects.using(using).filter(closing, outcome="").update(
                 outcome=AttemptOutcome.LEASE_EXPIRED, finished_at=now, error=ABANDONED_ERROR)
+        raise_snoozed_budgets(using, newest.values())
+
+
+def raise_snoozed_budgets(using: str, newest: Iterable[AttemptRecord]) -> None:
+    """Give each snoozed attempt back to its job: max_attempts to the record's budget.
+
+    Both paths call this inside their batch's transaction, after the job
+    and attempt writes, so the budget moves with the snooze or not at all.
+    Only where the snooze was recorded: the row holds that attempt of that
+    generation and the attempt's own outcome is 'snoozed' (rules
+    "generation fence" and "outcomes final": a stale holder's snooze, or
+    one of an attempt already recorded lease_expired, gives nothing back).
+    Greatest(): a batch written again after a lost commit reply adds nothing.
+    """
+    for rec in newest:
+        if rec.budget is None or rec.outcome != AttemptOutcome.SNOOZED:
+            continue
+        Job.objects.using(using).filter(
+            Exists(Attempt.objects.using(using).filter(
+                job_id=OuterRef("pk"), number=rec.attempt, outcome=AttemptOutcome.SNOOZED)),
+            pk=rec.job_id, generation=rec.gen, attempts=rec.attempt,
+        ).exclude(state__in=FINISHED_STATES).update(
+            max_attempts=Greatest("max_attempts", rec.budget))
 
 
 def _write_attempts(using: str, rows: Sequence[AttemptRecord]) -> None:

@@ -28,6 +28,7 @@ from django.db.backends.utils import CursorWrapper
 
 from ..faults import stop_point
 from ..models import UNFINISHED_STATES, Attempt, Job
+from .portable import raise_snoozed_budgets
 from .records import (
     ABANDONED_ERROR,
     RAN_OUTCOMES,
@@ -340,6 +341,7 @@ def write_batch(using: str, merged: Sequence[AttemptRecord],
                                              _joined_text([r.job_id for r in retried]),
                                              _joined_ints([r.attempt for r in retried]),
                                              _joined_ints([r.gen for r in retried])])
+        raise_snoozed_budgets(using, jobs)
 
 
 class _Columns:

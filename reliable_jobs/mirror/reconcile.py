@@ -15,12 +15,12 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import connections
-from django.db.models import Max
+from django.db.models import Max, Q
 from django.utils import timezone
 
 from .. import payload
 from ..broker.records import NewJob
-from ..models import UNFINISHED_STATES, Attempt, Job, JobState
+from ..models import UNFINISHED_STATES, Attempt, AttemptOutcome, Job, JobState
 from .records import is_uuid
 
 
@@ -101,6 +101,22 @@ def lock_for_recovery(using: str, job_ids: Sequence[str]) -> dict[str, RowState]
                   "pk", "state", "attempts", "generation", "last_error")}
     existing = {str(pk) for pk in jobs.filter(pk__in=ids).values_list("pk", flat=True)}
     return {**dict.fromkeys(existing - set(locked), LOCKED_ELSEWHERE), **locked}
+
+
+def snoozed_attempts(using: str, attempts: Sequence[tuple[str, int]]) -> set[str]:
+    """Of these (job id, attempt number) pairs, the jobs whose attempt is recorded snoozed.
+
+    The sweep asks about expired attempts whose row waits again after them:
+    a snooze the mirror has but Redis never got (its worker died between
+    the two) is settled as a snooze, not charged as a lost attempt.
+    """
+    if not attempts:
+        return set()
+    query = Q(pk__in=[])
+    for job_id, number in attempts:
+        query |= Q(job_id=job_id, number=number)
+    return {str(job_id) for job_id in Attempt.objects.using(using).filter(
+        query, outcome=AttemptOutcome.SNOOZED).values_list("job_id", flat=True)}
 
 
 def lock_unfinished(using: str, job_ids: Sequence[Any], *, older_than: datetime) -> list[Job]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.utils import timezone
@@ -27,7 +27,7 @@ FINISHED_STATES = (JobState.SUCCEEDED, JobState.DEAD, JobState.CANCELLED)
 #: Outcomes an attempt reaches by running its task to the end, or by being
 #: cancelled: final for the attempt.
 RAN_OUTCOMES = (AttemptOutcome.SUCCEEDED, AttemptOutcome.FAILED, AttemptOutcome.TIMED_OUT,
-                AttemptOutcome.CANCELLED)
+                AttemptOutcome.CANCELLED, AttemptOutcome.SNOOZED)
 #: What a cancelled attempt's error starts with (TaskError imports the class).
 CANCELLED_ERROR = f"{class_path(JobCancelled)}: the job was cancelled"
 
@@ -70,6 +70,10 @@ class AttemptRecord:
     #: When a failed attempt's retry is due (about: Redis's clock decides), so a
     #: job rebuilt from its row while it waits does not run at once.
     retry_at: datetime | None = None
+    #: A snoozed attempt only: the job's max_attempts once this attempt is
+    #: given back (snooze.lua's, one more than the claim's), so a rebuild from
+    #: the row keeps the budget Redis has.
+    budget: int | None = None
 
 
 #: One new job's own values, as an enqueue hands them in: its id (a canonical
@@ -143,6 +147,21 @@ def expired_record(job_id: str, attempts: int, *, dead: bool, error: str,
     )
 
 
+def snoozed_record(job_id: str, attempt: int, *, gen: int, delay_ms: int, max_attempts: int,
+                   worker_id: str, started_at: datetime | None) -> AttemptRecord:
+    """The record of an attempt whose task raised Snooze: the job waits again, the attempt
+    given back (``max_attempts`` is the claim's; the record carries one more)."""
+    finished_at = timezone.now()
+    return AttemptRecord(
+        job_id=job_id, attempt=attempt, gen=gen,
+        job_state=JobState.SCHEDULED if delay_ms else JobState.QUEUED,
+        worker_id=worker_id, started_at=started_at, finished_at=finished_at,
+        outcome=AttemptOutcome.SNOOZED, error=f"snoozed for {delay_ms} ms",
+        retry_at=finished_at + timedelta(milliseconds=delay_ms) if delay_ms else None,
+        budget=min(max_attempts + 1, MAX_ATTEMPT),
+    )
+
+
 def cancelled_record(job_id: str, attempt: int, *, gen: int, error: str) -> AttemptRecord:
     """The record of an attempt that ended cancelled (worker or sweep)."""
     return AttemptRecord(job_id=job_id, attempt=attempt, gen=gen, job_state=JobState.CANCELLED,
@@ -164,7 +183,8 @@ def mark_cancelled_attempts(records: Iterable[AttemptRecord], cancelled: set[str
         return
     for rec in records:
         if rec.job_id in cancelled and rec.outcome in (
-                AttemptOutcome.SUCCEEDED, AttemptOutcome.FAILED, AttemptOutcome.TIMED_OUT):
+                AttemptOutcome.SUCCEEDED, AttemptOutcome.FAILED, AttemptOutcome.TIMED_OUT,
+                AttemptOutcome.SNOOZED):
             ended = f"{rec.outcome}: {rec.error}" if rec.error else rec.outcome
             if not rec.error.startswith(CANCELLED_ERROR):
                 rec.error = (f"{CANCELLED_ERROR} while it ran; the attempt then ended "
@@ -173,6 +193,7 @@ def mark_cancelled_attempts(records: Iterable[AttemptRecord], cancelled: set[str
             rec.job_state = JobState.CANCELLED
             rec.return_value = None
             rec.retry_at = None
+            rec.budget = None
 
 
 def make_storable(rec: AttemptRecord) -> bool:

@@ -37,6 +37,7 @@ SCRIPT_NAMES = (
     "reprioritize",
     "requeue",
     "revive",
+    "snooze",
     "start",
     "wake",
 )

@@ -27,8 +27,8 @@
                         broker passes exceptions.class_path(LeaseExpired), so
                         the path always names a class that exists)
   ARGV[7..]             settle_count groups of five, the attempts to settle:
-                        id, attempt, gen, final ('succeeded', 'dead' or
-                        'cancelled'), error; then triples id, attempt, gen: the started
+                        id, attempt, gen, final ('succeeded', 'dead',
+                        'cancelled' or 'snoozed'), error; then triples id, attempt, gen: the started
                         attempts the caller lets this call requeue or bury
 
   An attempt that started may have written its outcome to the database
@@ -42,8 +42,11 @@
 
   Settling comes first: the attempt is finished as the mirror says, removed
   like an ack ('succeeded'; a tombstone when gen > 0, see ack.lua), buried
-  with that error ('dead'), or left as a 'cancelled' tombstone
-  ('cancelled'). Fenced: only if the job is still
+  with that error ('dead'), left as a 'cancelled' tombstone
+  ('cancelled'), or queued again with its attempt given back as snooze.lua
+  would have ('snoozed': its task raised Snooze, its worker died before the
+  snooze reached Redis; it runs again now rather than after the delay, which
+  the mirror's clock cannot decide). Fenced: only if the job is still
   'running' with that attempt and gen and its lease has expired.
 
   Then every other expired lease. An expired 'running' job whose attempt
@@ -181,14 +184,21 @@ end
 for i = 7, listed_from - 1, 5 do
   local job_id, final = ARGV[i], ARGV[i + 3]
   local job_key = job_prefix .. job_id
-  local job = read_job(job_id, 'state', 'attempts', 'gen', 'max_attempts')
+  local job = read_job(job_id, 'state', 'attempts', 'gen', 'max_attempts', 'priority', 'fair')
   local gen = job[3] or '0'
   local deadline = tonumber(redis.call('ZSCORE', leases_key, job_id))
+  local budget = count_of(job[4], 1)
   if holds(job, ARGV[i + 1], ARGV[i + 2])
       and deadline and deadline <= now
-      and (final == 'succeeded' or final == 'dead' or final == 'cancelled') then
+      and (final == 'succeeded' or final == 'dead' or final == 'cancelled'
+           or final == 'snoozed') then
     redis.call('ZREM', leases_key, job_id)
-    if final == 'cancelled' then
+    if final == 'snoozed' then
+      budget = math.min(budget + 1, MAX_COUNT)
+      redis.call('HSET', job_key, 'state', 'queued', 'max_attempts', budget, 'ready_ms', now)
+      push_band_next(job_id, band_of(job[5]), group_of(job[6]))
+      requeued = requeued + 1
+    elseif final == 'cancelled' then
       leave_tombstone(job_id, 'cancelled', gen, tombstone_ms)
     elseif final == 'dead' then
       redis.call('ZADD', dead_key, now, job_id)
@@ -199,7 +209,7 @@ for i = 7, listed_from - 1, 5 do
     else
       leave_tombstone(job_id, 'finished', gen, tombstone_ms)
     end
-    report(job_id, count_of(job[2], 0), count_of(job[4], 1), 'settled', gen)
+    report(job_id, count_of(job[2], 0), budget, 'settled', gen)
   end
 end
 -- A started attempt the caller did not clear with the mirror stays leased.

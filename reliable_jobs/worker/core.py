@@ -476,7 +476,7 @@ class Worker:
         s = self.stats
         return (f"{self._claimed_total} claimed, {s.succeeded} succeeded, {s.failed} failed "
                 f"(retrying), {s.dead} dead, {s.refused} refused as stale, "
-                f"{s.cancelled} cancelled, {len(self.in_hand)} in hand")
+                f"{s.cancelled} cancelled, {s.snoozed} snoozed, {len(self.in_hand)} in hand")
 
 
 __all__ = ["Worker", "WorkerStats", "default_worker_id"]

@@ -36,15 +36,22 @@ from ..compat import (
     task_finished,
     task_started,
 )
-from ..exceptions import JobCancelled, JobTimeout, UnknownTask, class_path
+from ..exceptions import JobCancelled, JobTimeout, Snooze, UnknownTask, class_path
 from ..faults import crash_point
 from ..handoff import StartMarks
 from ..isolation import ChildFailed, ChildStopped, run_in_child
 from ..keys import logical_queue
 from ..logformat import log_attempt, printable
-from ..mirror import CANCELLED_ERROR, AttemptRecord, cancelled_record
+from ..mirror import CANCELLED_ERROR, AttemptRecord, cancelled_record, snoozed_record
+from ..mirror.journal import Journal
 from ..models import AttemptOutcome, JobState
-from ..results import attempt_result, finish_cancelled, finish_failed, finish_succeeded
+from ..results import (
+    attempt_result,
+    finish_cancelled,
+    finish_failed,
+    finish_snoozed,
+    finish_succeeded,
+)
 from ..signalwatch import SignalWatch
 from ..tasks import lookup
 from .backoff import Backoff
@@ -261,17 +268,32 @@ class Executor:
                         worker_id=self.worker_id, backend=self.backend.alias,
                         queue=logical_queue(job.queue),
                         timeout_s=timeout_ms / 1000, cancellation=cancellation,
-                        interrupt=held.interrupt,
+                        interrupt=held.interrupt, gen=job.gen, database=self.config.DATABASE,
                     )
                 elif task.takes_context:
                     assert result is not None  # built above for every takes_context task
-                    value = task.call(JobContext(task_result=result, cancellation=cancellation),
-                                      *decoded.args, **decoded.kwargs)
+                    journal = Journal(self.config.DATABASE, job.id, attempt=job.attempt,
+                                      gen=job.gen)
+                    try:
+                        value = task.call(JobContext(task_result=result,
+                                                     cancellation=cancellation,
+                                                     journal=journal),
+                                          *decoded.args, **decoded.kwargs)
+                    finally:
+                        # Progress reported since the last write: before the
+                        # outcome, so a finished row is never written after.
+                        journal.flush()
                 else:
                     value = task.call(*decoded.args, **decoded.kwargs)
             value = normalize_json(value)
         except ChildStopped as exc:
             return self._stopped(job, reaped=exc.reaped)
+        except Snooze as exc:
+            result = self._unsuccessful_result(result, runnable, job, started_at)
+            if cancellation.requested():
+                self._cancelled(job, exc, task_path, result, started_at)
+            else:
+                self._snoozed(job, exc, task_path, result, started_at, started_clock)
         except Exception as exc:
             result = self._unsuccessful_result(result, runnable, job, started_at)
             if cancellation.requested():
@@ -374,6 +396,29 @@ class Executor:
         self.finisher.submit(FinishedAttempt(record, job=job, delay_ms=None))
         took_ms = ((record.finished_at or timezone.now()) - started_at).total_seconds() * 1000
         log_attempt(logging.INFO, job, task_path, AttemptOutcome.CANCELLED, took_ms, error=how)
+
+    def _snoozed(self, job: ClaimedJob, exc: Snooze, task_path: str,
+                 result: TaskResult[..., Any] | None, started_at: datetime,
+                 started_clock: float) -> None:
+        """Record an attempt whose task raised Snooze: the job waits again, its attempt given back.
+
+        The finisher mirrors it (outcome 'snoozed', the row's max_attempts one
+        more), then runs snooze.lua, fenced like a nack: a stale holder's
+        snooze is refused in Redis as its record is in the mirror.
+        """
+        record = snoozed_record(job.id, job.attempt, gen=job.gen, delay_ms=exc.delay_ms,
+                                max_attempts=job.max_attempts, worker_id=self.worker_id,
+                                started_at=started_at)
+        if result is not None:
+            finish_snoozed(result)
+            task_finished.send(type(self.backend), task_result=result)
+        self.finisher.submit(FinishedAttempt(record, job=job, delay_ms=exc.delay_ms,
+                                             task=task_path, snoozed=True))
+        telemetry.hook.snoozed(job, task_path, time.perf_counter() - started_clock)
+        if logger.isEnabledFor(logging.DEBUG):
+            log_attempt(logging.DEBUG, job, task_path, AttemptOutcome.SNOOZED,
+                        (time.perf_counter() - started_clock) * 1000,
+                        retry_in_ms=exc.delay_ms)
 
     def _fail(self, job: ClaimedJob, exc: BaseException, task_path: str,
               result: TaskResult[..., Any] | None, started_at: datetime,

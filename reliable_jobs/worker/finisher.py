@@ -69,6 +69,8 @@ class FinishedAttempt:
     task: str = "?"
     #: A start record, held up to START_HOLD_S for its outcome to join it.
     start: bool = False
+    #: The task raised Snooze: snooze.lua, after ``delay_ms``, instead of a nack.
+    snoozed: bool = False
 
 
 class Finisher:
@@ -220,12 +222,13 @@ class Finisher:
                 # The mirror settled it as cancelled (its row was cancelled
                 # while it ran): finished in Redis too, never retried, even
                 # when Redis lost the cancel's mark.
-                outcome.delay_ms = None
+                outcome.delay_ms, outcome.snoozed = None, False
             by_queue[outcome.job.queue].append(outcome)
         for queue, outcomes in by_queue.items():
             acks = [o for o in outcomes if o.delay_ms is None]
-            nacks = [o for o in outcomes if o.delay_ms is not None]
-            if not self._apply_queue(queue, acks, nacks):
+            nacks = [o for o in outcomes if o.delay_ms is not None and not o.snoozed]
+            snoozes = [o for o in outcomes if o.delay_ms is not None and o.snoozed]
+            if not self._apply_queue(queue, acks, nacks, snoozes):
                 return False
         crash_point("after_ack")
         self.in_hand.drop(o.job for o in finished if o.job is not None)
@@ -233,10 +236,10 @@ class Finisher:
         return True
 
     def _apply_queue(self, queue: str, acks: list[FinishedAttempt],
-                     nacks: list[FinishedAttempt]) -> bool:
-        """Ack and nack one queue's outcomes; False on a hard stop before Redis answered.
+                     nacks: list[FinishedAttempt], snoozes: list[FinishedAttempt]) -> bool:
+        """Ack, nack and snooze one queue's outcomes; False on a hard stop before Redis answered.
 
-        Retried whole after an error: both scripts are fenced, so an outcome
+        Retried whole after an error: the three scripts are fenced, so an outcome
         the first try applied before the connection dropped is refused by
         the second. After a retry a refusal is therefore no sign of a lost
         lease, and is not counted as one.
@@ -248,14 +251,16 @@ class Finisher:
                 acked = self.broker.ack(queue, [_fence(o) for o in acks])
                 nacked = self.broker.nack(queue, [
                     (*_fence(o), _delay(o), o.record.error[:4000]) for o in nacks])
+                snoozed = self.broker.snooze(queue, [(*_fence(o), _delay(o)) for o in snoozes])
                 break
             except REDIS_ERRORS as exc:
-                self.redis_outage.failed(exc, f"acking {len(acks) + len(nacks)} job(s)")
+                self.redis_outage.failed(
+                    exc, f"acking {len(acks) + len(nacks) + len(snoozes)} job(s)")
                 retried = True
                 if backoff.wait(self.hard_stop):
                     return False
         self.redis_outage.ok()
-        self._count(acks + nacks, acked + nacked, retried=retried)
+        self._count(acks + nacks + snoozes, acked + nacked + snoozed, retried=retried)
         return True
 
     def _count(self, outcomes: list[FinishedAttempt], applied: list[Applied], *,
@@ -271,6 +276,8 @@ class Finisher:
                                printable(outcome.record.job_id), outcome.record.attempt)
             elif outcome.delay_ms is None:
                 self.stats.succeeded += 1
+            elif outcome.snoozed:
+                self.stats.snoozed += 1
             elif outcome.delay_ms == retry.DEAD:
                 self.stats.dead += 1
             else:

@@ -26,6 +26,8 @@ class WorkerStats:
     refused: int = 0
     #: Outcomes Redis finished as cancelled (the job was cancelled while it ran).
     cancelled: int = 0
+    #: Attempts whose task raised Snooze (the job waits again, attempt given back).
+    snoozed: int = 0
 
 
 class Shared:

@@ -10,8 +10,9 @@ import asyncio
 import time
 from typing import Any
 
+from reliable_jobs.cancellation import JobContext
 from reliable_jobs.compat import TaskContext, task
-from reliable_jobs.exceptions import PermanentFailure, RetryLater
+from reliable_jobs.exceptions import PermanentFailure, RetryLater, Snooze
 
 
 @task
@@ -177,3 +178,81 @@ def leave_a_thread(seconds: float) -> None:
 
     threading.Thread(target=time.sleep, args=(seconds,), name="left-by-a-task",
                      daemon=False).start()  # not inherited from the daemon executor thread
+
+
+@task(takes_context=True, max_attempts=1)
+def snooze_then_add(context: TaskContext[..., Any], times: int, a: int, b: int,
+                    delay_ms: int = 0) -> int:
+    """Snooze ``times`` times, counting in the job's checkpoint, then return ``a + b``.
+
+    ``max_attempts=1``: a snooze that used an attempt would bury the job at
+    its second claim.
+    """
+    assert isinstance(context, JobContext)  # what reliable_jobs passes; narrows for mypy
+    snoozed = context.checkpoint_value or 0
+    if snoozed < times:
+        context.checkpoint(snoozed + 1)
+        raise Snooze(delay_ms)
+    return a + b
+
+
+@task(takes_context=True, max_attempts=1, timeout_ms=20_000)
+def snooze_then_add_in_child(context: TaskContext[..., Any], times: int, a: int, b: int,
+                             delay_ms: int = 0) -> int:
+    """``snooze_then_add`` in a child process of its own (a task with ``timeout_ms``)."""
+    return snooze_then_add.func(context, times, a, b, delay_ms)
+
+
+@task(takes_context=True, max_attempts=1000)
+def count_with_checkpoints(context: TaskContext[..., Any], total: int, every: int,
+                           ledger: str, pause_s: float = 0.0) -> int:
+    """Go through items 0 .. total - 1, storing a checkpoint every ``every`` items.
+
+    Each attempt resumes from the last checkpoint, and appends to the file
+    ``ledger`` one line when it starts (``start <attempt> <first item>``)
+    and one per item done, flushed to the OS at once (a SIGKILL loses no
+    line), so a test or bench/checkpoint.py can count the items done again
+    after each kill. Sleeps ``pause_s`` after each 100 items.
+    """
+    assert isinstance(context, JobContext)  # what reliable_jobs passes; narrows for mypy
+    first = (context.checkpoint_value or {}).get("next", 0)
+    with open(ledger, "a") as out:
+        out.write(f"start {context.attempt} {first}\n")
+        out.flush()
+        for item in range(first, total):
+            out.write(f"{item}\n")
+            out.flush()
+            done = item + 1
+            if done % every == 0:
+                context.checkpoint({"next": done}, done=done, total=total)
+            elif done % 100 == 0:
+                context.progress(done, total)
+            if pause_s and done % 100 == 0:
+                time.sleep(pause_s)
+    return total
+
+
+def redone_per_restart(ledger: str) -> tuple[list[int], int, set[int]]:
+    """Read a ``count_with_checkpoints`` ledger: items redone at each restart, lines, items.
+
+    Each attempt after the first starts at its checkpoint; the items from
+    there to the last one the previous attempt wrote were done twice. Returns
+    (items redone per restart, item lines written in all, distinct items done).
+    """
+    redone: list[int] = []
+    last = -1
+    lines = 0
+    items: set[int] = set()
+    started = False
+    with open(ledger) as text:
+        for line in text:
+            if line.startswith("start "):
+                first = int(line.split()[2])
+                if started:
+                    redone.append(max(0, last + 1 - first))
+                started, last = True, first - 1
+            elif line.strip():
+                last = int(line)
+                lines += 1
+                items.add(last)
+    return redone, lines, items
