@@ -40,9 +40,10 @@ from .compat import (
     task_backends,
     task_enqueued,
 )
+from .debounce import debounce_of
 from .flow import Limits, TaskFlow, task_flow
 from .keys import is_valid_queue_name
-from .newjobs import Calls, NewJobsBuilder, Results, push_on_commit, unique_rule
+from .newjobs import Calls, Results, plan, push_on_commit
 from .parts import BackendParts, task_option
 from .reachability import ensure_reachable
 from .results import job_result
@@ -122,12 +123,9 @@ class ReliableJobsBackend(BaseTaskBackend):
         return problems
 
     def _raise_if_misconfigured(self) -> None:
-        problems = self.problems()
-        if problems:
-            raise ImproperlyConfigured(
-                f"TASKS[{self.alias!r}] is misconfigured: "
-                + " ".join(message for _, message in problems)
-            )
+        if problems := self.problems():
+            raise ImproperlyConfigured(f"TASKS[{self.alias!r}] is misconfigured: "
+                                       + " ".join(message for _, message in problems))
 
     # -- per-task settings ---------------------------------------------
 
@@ -152,7 +150,7 @@ class ReliableJobsBackend(BaseTaskBackend):
 
         The bulk enqueue of one call. For a task with ``unique_for_ms``, an
         equal call's unfinished job (see ``unique.py``) is returned instead
-        of a new one.
+        of a new one (a debounced task's takes the call: ``debounce.py``).
         """
         with telemetry.hook.enqueue(task.queue_name, task.module_path, 1) as trace:
             return self._enqueue(task, [(args, kwargs)], trace)[0]
@@ -179,19 +177,20 @@ class ReliableJobsBackend(BaseTaskBackend):
         ensure_reachable(task)
         from . import mirror  # not at module level: see the module docstring
 
-        rule = unique_rule(task, self.database, self.broker)
-        build = NewJobsBuilder(
-            task, calls, alias=self.alias, now=timezone.now(), trace=trace,
-            max_attempts=self.task_option(task, "max_attempts"), keyed=rule is not None,
-            max_bytes=self.config.MAX_PAYLOAD_BYTES, waiting_for=waiting_for,
-            shards=self.config.SHARDS.get(task.queue_name, 1), workflow_id=workflow_id,
-            flow=self.task_flow(task, task.module_path))
+        spec, now = debounce_of(task), timezone.now()
+        if spec is not None and len(calls) > 1:  # each call debounces the one before it
+            return [self._enqueue(task, [call], trace)[0] for call in calls]
+        task = spec.task_at(task, now) if spec is not None else task
+        build, rule = plan(self.parts, task, calls, now=now, trace=trace, debounce=spec,
+                           flow=self.task_flow(task, task.module_path),
+                           waiting_for=waiting_for, workflow_id=workflow_id)
         rows: Iterable[NewRow] = build.rows()
         if rule is not None or len(calls) == 1:
             rows = list(rows)  # every call checked (and keyed) before the first write
         held = mirror.insert_jobs(self.database, build.new_jobs(rows), unique=rule)
         results, fresh = build.settle(held, lambda job: job_result(job, task, backend=self.alias))
-        push_on_commit(self._push, self.database, build.pushes_of(fresh))
+        push = spec.push(self.broker) if spec else self._push
+        push_on_commit(push, self.database, build.pushes_of(fresh))
         if fresh and self._enqueued_watch.observed():
             for result in fresh:
                 task_enqueued.send(type(self), task_result=result)

@@ -75,6 +75,7 @@ def check_backend(backend: ReliableJobsBackend) -> list[checks.CheckMessage]:
         ))
     messages += _check_schedules(where, backend)
     messages += _check_limits(where, backend)
+    messages += _check_debounced_tasks(where, backend)
     options = backend.options
     if isinstance(options, dict) and options.get("REDIS_URL") in (None, ""):
         messages.append(checks.Warning(
@@ -213,6 +214,35 @@ def _check_unique_tasks(where: str, backend: ReliableJobsBackend) -> list[checks
         f"{where}: {problem}",
         hint=f"Unique tasks: {', '.join(unique)}.",
         id="reliable_jobs.E015",
+    )]
+
+
+def _check_debounced_tasks(where: str,
+                           backend: ReliableJobsBackend) -> list[checks.CheckMessage]:
+    """W029 when a debounced task's quiet period is shorter than the sweep's interval.
+
+    A worker's sweep promotes a scheduled job at its due time only if a
+    sweep saw it before then (worker/maintenance.py): a job made and due
+    between two sweeps waits for the second, up to SWEEP_INTERVAL_MS late,
+    which outweighs the shorter quiet period the task asks for. Bad
+    debounce options themselves are refused when the task is defined
+    (InvalidTask); tasks imported by the time ``check`` runs are seen.
+    """
+    from .tasks import ReliableTask, registered
+
+    interval = backend.config.SWEEP_INTERVAL_MS
+    short = sorted(task.module_path for task in registered()
+                   if isinstance(task, ReliableTask) and task.backend == backend.alias
+                   and task.debounce_ms is not None and task.debounce_ms < interval)
+    if not short:
+        return []
+    return [checks.Warning(
+        f"{where}: {', '.join(short)} {'is' if len(short) == 1 else 'are'} debounced for less "
+        f"than OPTIONS['SWEEP_INTERVAL_MS'] ({interval} ms), so each run may start more than "
+        "its debounce_ms late.",
+        hint="Lower SWEEP_INTERVAL_MS to at most debounce_ms (a sweep must see the job "
+             "before it is due), or raise debounce_ms.",
+        id="reliable_jobs.W029",
     )]
 
 

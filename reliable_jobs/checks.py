@@ -37,6 +37,8 @@ registers the app-wide ones. Ids:
   variable that is missing), so the default URL is used.
 - E014 settings.RELIABLE_JOBS_LOG_FORMAT is neither "text" nor "json".
 - W020 the metrics view is mounted but prometheus_client is not installed.
+- W029 a debounced task (``debounce_ms``) shorter than SWEEP_INTERVAL_MS:
+  its runs may start later than its quiet period.
 
 Nothing here runs at import: a missing or unreachable Redis is reported by
 ``manage.py check``, never raised while settings or apps load.

@@ -26,10 +26,12 @@ from .results import ResultStamp, task_result
 from .tasks import ReliableTask
 
 if TYPE_CHECKING:
+    from .debounce import Debounce
     from .flow import TaskFlow
-    from .mirror import UniqueRule
+    from .mirror import Absorb, UniqueRule
     from .mirror.records import NewJobs, NewRow
     from .models import Job
+    from .parts import BackendParts
 
 #: The status of a job just enqueued, queued or scheduled (``models.TASK_STATUS``).
 NEW_JOB_STATUS = TaskResultStatus.READY
@@ -150,6 +152,10 @@ class NewJobsBuilder:
                     fresh.append(result)
         return [by_key[key] for key in self.keys], fresh
 
+    def job(self, job_id: str) -> NewJob:
+        """The push made for the call whose job id is ``job_id`` (a debounced call's payload)."""
+        return next(job for jobs in self.pushes.values() for job in jobs if job.id == job_id)
+
     def pushes_of(self, results: Sequence[TaskResult[..., Any]]) -> dict[str, list[NewJob]]:
         """The pushes of the jobs whose ``results`` are given (those inserted), by queue.
 
@@ -166,8 +172,34 @@ class NewJobsBuilder:
         return {queue: jobs for queue, jobs in kept.items() if jobs}
 
 
-def unique_rule(task: Task[..., Any], database: str, broker: Broker) -> UniqueRule | None:
-    """How a unique task's calls are judged (None for another task), or InvalidTask."""
+def plan(parts: BackendParts, task: Task[..., Any], calls: Calls, *, now: datetime,
+         trace: str | None, flow: TaskFlow | None, debounce: Debounce | None,
+         waiting_for: int = 0, workflow_id: str | None = None,
+         ) -> tuple[NewJobsBuilder, UniqueRule | None]:
+    """The builder of one enqueue of ``task``'s ``calls`` on the backend ``parts``, and
+    how its calls' unique keys are judged (a debounced task's: see debounce.py).
+
+    ``waiting_for`` and ``workflow_id`` are a workflow's (workflows.py): jobs
+    that wait for that many others, enqueued as ``waiting``.
+    """
+    config = parts.config
+    build = NewJobsBuilder(
+        task, calls, alias=parts.alias, now=now, trace=trace,
+        max_attempts=parts.task_option(task, "max_attempts"),
+        keyed=getattr(task, "unique_for_ms", None) is not None,
+        max_bytes=config.MAX_PAYLOAD_BYTES, shards=config.SHARDS.get(task.queue_name, 1),
+        flow=flow, waiting_for=waiting_for, workflow_id=workflow_id)
+    absorb = debounce.absorb(parts.broker, build.job) if debounce is not None else None
+    return build, unique_rule(task, config.DATABASE, parts.broker, absorb=absorb)
+
+
+def unique_rule(task: Task[..., Any], database: str, broker: Broker, *,
+                absorb: Absorb | None = None) -> UniqueRule | None:
+    """How a unique task's calls are judged (None for another task), or InvalidTask.
+
+    ``absorb`` is a debounced task's (see debounce.py): an equal call goes
+    to the key's holder only if the holder takes it.
+    """
     if getattr(task, "unique_for_ms", None) is None:
         return None
     from .mirror import UniqueRule  # not at module level: see backend's docstring
@@ -177,7 +209,8 @@ def unique_rule(task: Task[..., Any], database: str, broker: Broker) -> UniqueRu
     if problem:
         raise InvalidTask(problem)
     return UniqueRule(window_ms=task.unique_for_ms or 0, while_running=task.unique_while_running,
-                      states_in_redis=lambda rows: unique.states_in_redis(broker, rows))
+                      states_in_redis=lambda rows: unique.states_in_redis(broker, rows),
+                      absorb=absorb)
 
 
 def push_on_commit(push: Callable[[str, list[NewJob]], None], database: str,

@@ -2,7 +2,8 @@
 
 ``@task(max_attempts=5, retry_base_ms=500, timeout_ms=60_000)`` (and the
 unique options, ``unique_for_ms=60_000``, the flow limits, ``rate_limit="10/s"``,
-``concurrency=2``, ``rate_key=``, ``concurrency_key=``, and ``fair_key="account_id"``) works
+``concurrency=2``, ``rate_key=``, ``concurrency_key=``, ``fair_key="account_id"``, and
+``debounce_ms=2_000`` with ``max_wait_ms=``) works
 because Django's ``task()`` passes extra keyword arguments to the backend's
 ``task_class``. Every such task registers itself by its import path when it
 is created. A worker fills the registry at start-up (:func:`discover` imports
@@ -24,7 +25,7 @@ from django.core.signals import setting_changed
 from django.dispatch import receiver
 from django.utils.module_loading import autodiscover_modules
 
-from . import fairness
+from . import debounce, fairness
 from .canvas import POLICIES, Signature
 from .compat import FairKey, InvalidTask, Task, UniqueBy
 from .flow import Limits, check_task_options, task_flow
@@ -82,12 +83,20 @@ class ReliableTask(Task):  # type: ignore[type-arg]  # generic only in django-st
     pass_results: bool = False
     #: What it does when one of them ends dead or cancelled: "cancel" or "run" (canvas.py).
     on_failure: str = "cancel"
+    #: Equal calls (by the unique key, so unique_for_ms is needed) this close
+    #: together in ms make one run, with the last call's arguments, this long
+    #: after the last call: each call pushes the run back (debounce.py).
+    debounce_ms: int | None = None
+    #: While calls keep pushing a debounced run back, it is due at most this
+    #: long (ms) after the first of them; None: only debounce_ms decides.
+    max_wait_ms: int | None = None
 
     def __post_init__(self) -> None:
         # Zero-argument super() does not work in a slots dataclass.
         Task.__post_init__(self)
         for name, minimum in (("max_attempts", 1), ("retry_base_ms", 0),
-                              ("retry_max_ms", 0), ("timeout_ms", 1), ("unique_for_ms", 1)):
+                              ("retry_max_ms", 0), ("timeout_ms", 1), ("unique_for_ms", 1),
+                              ("debounce_ms", 1), ("max_wait_ms", 1)):
             value = getattr(self, name)
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, int) or value < minimum
@@ -97,6 +106,7 @@ class ReliableTask(Task):  # type: ignore[type-arg]  # generic only in django-st
             # Frozen dataclasses hash their fields: keep the names as a tuple.
             object.__setattr__(self, "unique_by", tuple(self.unique_by))
         check_options(self)
+        debounce.check_options(self)
         problem = check_task_options(self.rate_limit, self.concurrency, self.rate_key,
                                      self.concurrency_key)
         if problem:

@@ -14,6 +14,7 @@ part (tests/model_faults.py), so it follows the code as it changes.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -192,6 +193,8 @@ class QueueMachine(RuleBasedStateMachine):
         self.lose_release: set[str] = set()
         #: Jobs a staff retry or requeue moved: staff may run a job whatever it waits for.
         self.staff_moved: set[str] = set()
+        #: Jobs of the debounced task (demo.debounced_note).
+        self.debounced: set[str] = set()
         self.failed = False
         # The push of released jobs goes through broker.enqueue (workflows.push_released):
         # drop the ones lose_release names, once each. Taken back at teardown.
@@ -498,6 +501,32 @@ class QueueMachine(RuleBasedStateMachine):
             self.fail(f"an equal call of a unique task was merged into job {result.id}, which "
                       f"Redis holds {found['state']} (attempt {found['attempts']}, started "
                       f"{found['started']}): the call never runs")
+
+    @precondition(lambda self: len(self.jobs) < 6)
+    @rule(n=st.integers(0, 3))
+    def enqueue_debounced(self, n: int) -> None:
+        """An equal call of a debounced task, in a transaction.
+
+        It joins the job it returns only while that job is pending (never
+        claimed, still scheduled in Redis), and then Redis and the row both
+        hold this call's arguments; otherwise it is a new pending job. A
+        call merged into a job that was promoted, claimed or ran never runs.
+        """
+        with transaction.atomic():
+            result = demo.debounced_note.enqueue("model", n)
+        fresh = result.id not in self.jobs
+        if fresh:
+            self.jobs.append(result.id)
+            self.debounced.add(result.id)
+        found = self.job_hashes([result.id])[result.id]
+        if not fresh and (found["state"] != "scheduled" or found["attempts"] != "0"):
+            self.fail(f"a debounced call was merged into job {result.id}, which Redis holds "
+                      f"{found['state']} (attempt {found['attempts']}): the call never runs")
+        text = self.broker.client.hget(self.keys.job(result.id), "payload")
+        row = Job.objects.get(pk=result.id)
+        if text is not None and (json.loads(text)["args"], row.args) != (["model", n],) * 2:
+            self.fail(f"debounced job {result.id}: Redis runs {json.loads(text)['args']}, the "
+                      f"row says {row.args}, the last call was {['model', n]}")
 
     # -- workers -----------------------------------------------------------
 
@@ -1161,6 +1190,27 @@ class QueueMachine(RuleBasedStateMachine):
         client, k = self.broker.client, self.keys
         members = client.zrange(k.flow("run", f"c:{demo.capped_add.module_path}"), 0, -1)
         return {m for m in members if client.zscore(k.leases, m) is not None}
+
+    @invariant()
+    def pending_debounced_jobs_run_their_rows_call(self) -> None:
+        """A debounced job still pending in Redis runs the call its row holds.
+
+        The row is what a rebuild pushes again (G5): a pending job whose
+        payload and row disagreed would run one call now and another after
+        a loss of Redis data.
+        """
+        if not self.debounced:
+            return
+        found = self.job_hashes(sorted(self.debounced))
+        rows = Job.objects.in_bulk(sorted(self.debounced))
+        for job_id, one in found.items():
+            if one["state"] != "scheduled" or one["attempts"] != "0":
+                continue
+            text = self.broker.client.hget(self.keys.job(job_id), "payload")
+            row = rows.get(uuid.UUID(job_id))
+            if text is not None and row is not None and json.loads(text)["args"] != row.args:
+                self.fail(f"pending debounced job {job_id} runs {json.loads(text)['args']} "
+                          f"but its row says {row.args}")
 
     @invariant()
     def capped_jobs_stay_within_their_cap(self) -> None:

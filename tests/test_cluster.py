@@ -119,6 +119,29 @@ def test_a_unique_holders_progress_is_read_across_masters_in_one_call(
         broker.close()
 
 
+def test_debounced_calls_on_two_masters_each_make_one_pending_run(
+    cluster: RedisClusterHarness, cluster_env: dict[str, str]
+) -> None:
+    # Given a debounced task on two queues that live on different masters
+    backend = task_backends["default"]
+    broker = backend.broker  # type: ignore[attr-defined]
+    tasks = [demo.debounced_note.using(queue_name=q) for q in QUEUES]
+
+    # When a burst of equal calls goes to each queue
+    results = [[task.enqueue("k", n) for n in range(5)] for task in tasks]
+
+    # Then each queue has one pending run of its last call, on its own master
+    for queue, burst in zip(QUEUES, results, strict=True):
+        assert len({result.id for result in burst}) == 1
+        job_id = burst[0].id
+        k = broker.keys(queue)
+        assert broker.client.hget(k.job(job_id), "state") == "scheduled"
+        assert '"args":["k",4]' in broker.client.hget(k.job(job_id), "payload")
+        assert broker.client.zscore(k.scheduled, job_id) is not None
+        assert Job.objects.get(pk=job_id).args == ["k", 4]
+    assert results[0][0].id != results[1][0].id
+
+
 def test_priorities_on_the_cluster_every_script_in_its_queues_slot(
     cluster: RedisClusterHarness, cluster_env: dict[str, str]
 ) -> None:

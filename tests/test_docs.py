@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import configparser
 import contextlib
+import dataclasses
 import importlib
 import importlib.util
 import io
@@ -28,7 +29,9 @@ import redis
 import yaml
 from django.core.management import call_command, get_commands, load_command_class
 
+from reliable_jobs.compat import Task
 from reliable_jobs.conf import OPTION_NAMES
+from reliable_jobs.tasks import ReliableTask
 
 from .docblocks import (
     DOCS,
@@ -398,6 +401,15 @@ def test_the_checks_reference_lists_every_check_id() -> None:
     page = (DOCS / "reference" / "checks.md").read_text()
     listed = set(re.findall(r"^\| `(reliable_jobs\.[EW]\d{3})`", page, flags=re.MULTILINE))
     assert listed == in_code
+
+
+def test_the_options_reference_lists_every_task_option() -> None:
+    own = {field.name for field in dataclasses.fields(ReliableTask)} - {
+        field.name for field in dataclasses.fields(Task)}
+    page = (DOCS / "reference" / "options.md").read_text()
+    section = page[page.index("## Task options"):]
+    listed = set(re.findall(r"^\| `([a-z_]+)` \|", section, flags=re.MULTILINE))
+    assert listed == own
 
 
 def test_the_metrics_reference_lists_every_metric() -> None:

@@ -30,6 +30,8 @@ docs/explanation/guarantees.md and docs/design.md:
   job and no claimed job starts (one claimed before the pause is handed back
   unstarted), and after Redis lost the flag a sweep pass or reconcile puts
   it back;
+- a debounced call joins only a pending job, and a pending debounced job
+  runs the call its row holds;
 
 and, at the end of each example, that once every fault stops and the
 sweep, reconcile and a fresh worker have run, every job is succeeded, dead
@@ -44,8 +46,9 @@ acted in Redis (a worker batch, reconcile, every staff action); a push is
 late (a producer's on-commit push, held across steps) or slow (a rebuild's
 push, overtaken by the job's late push or by a loss of Redis data); staff
 cancel and reprioritize one job at once; unique calls arrive while their
-job runs; staff pause and resume the queue. Time passes only when a step
-says so (the machine moves every deadline Redis holds), so a replayed
+job runs; staff pause and resume the queue; debounced calls arrive at every
+stage of their job (pending, promoted, claimed, running, lost by Redis).
+Time passes only when a step says so (the machine moves every deadline Redis holds), so a replayed
 program does what it did.
 
 The helpers a reader needs to replay a failure by hand live in
@@ -108,6 +111,7 @@ def replay(*steps: Callable[[QueueMachine], object]) -> None:
         machine.waiting_jobs_wait_at_their_priority()
         machine.waiting_jobs_take_their_turn_in_their_group()
         machine.waiting_jobs_wait_for_something()
+        machine.pending_debounced_jobs_run_their_rows_call()
         machine.snoozes_never_bury_a_job()
     machine.teardown()
 

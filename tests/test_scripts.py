@@ -28,6 +28,7 @@ from reliable_jobs.broker import (
     Applied,
     Broker,
     ClaimedJob,
+    DebounceOutcome,
     NewJob,
     QueueCounts,
     RecoveredJob,
@@ -964,6 +965,8 @@ def _odd_calls(broker: Broker, held: ClaimedJob) -> dict[str, Callable[[], Any]]
         "claim": lambda: broker.claim(Q, count=5, lease_ms=LONG_LEASE_MS).garbage == ["odd"],
         # (no job id: the flag is set and removed whatever the lists hold)
         "pause": lambda: broker.set_paused(Q, True) and broker.set_paused(Q, False),
+        "debounce": lambda: broker.debounce(Q, new_job("odd"), debounce_ms=1_000, max_wait_ms=0,
+                                            replace=True).outcome is DebounceOutcome.REFUSED,
     }
 
 
@@ -1767,6 +1770,10 @@ def run_every_script(broker: Broker, queue: str) -> None:
     claimed = broker.claim(queue, count=10, lease_ms=SHORT_LEASE_MS).jobs
     # A task that snoozes: back to wait, its attempt given back.
     broker.snooze(queue, [(*job.fence, 0) for job in claimed])
+    # Debounce: a debounced job made, then pushed back.
+    for replace in (False, True):
+        broker.debounce(queue, new_job("debounced"), debounce_ms=60_000, max_wait_ms=0,
+                        replace=replace)
 
 
 def test_every_key_the_broker_passes_shares_the_queues_slot(broker: Broker) -> None:

@@ -33,6 +33,8 @@ from .records import (
     Applied,
     ClaimedJob,
     ClaimResult,
+    Debounced,
+    DebounceOutcome,
     Fence,
     Latency,
     NewJob,
@@ -49,7 +51,8 @@ __all__ = [
     "CLUSTER_RETRIES", "CLUSTER_SCHEMES", "EXHAUSTED_CLASS", "EXPIRED_CLASS", "LATENCY_LOOK",
     "REDIS_ERRORS", "REGISTER_EVERY_S", "SCRIPT_ERRORS", "SOCKET_TIMEOUT_S", "SWEEP_BATCH",
     "TOMBSTONE_MS",
-    "WORKER_INDEX_KEEP_MS", "Applied", "Broker", "ClaimResult", "ClaimedJob", "Fence",
+    "WORKER_INDEX_KEEP_MS", "Applied", "Broker", "ClaimResult", "ClaimedJob", "DebounceOutcome",
+    "Debounced", "Fence",
     "Latency", "NewJob", "Progress", "QueueCounts", "RecoverResult", "RecoveredJob", "Settlement",
     "WorkerBeat", "connect", "epoch_ms", "is_cluster_url",
 ]
@@ -100,6 +103,24 @@ class Broker(Lifecycle, Inspection):
             args)]
         self._wake(queue, any(written))
         return written
+
+    def debounce(self, queue: str, job: NewJob, *, debounce_ms: int, max_wait_ms: int,
+                 replace: bool) -> Debounced:
+        """Make a debounced job, or (``replace``) give a pending one ``job``'s payload and
+        push it back ``debounce_ms``; see debounce.lua.
+
+        ``job`` is the call's job: its payload, and the row's values for a
+        job Redis does not hold (made here, due ``debounce_ms`` from now on
+        Redis's clock). Without ``replace`` (the on-commit push of a new
+        row) a job Redis already holds is left alone. A debounced job is
+        always scheduled when made or replaced, so no worker is woken.
+        """
+        k = self.keys(queue)
+        reply = self._run("debounce", (k.scheduled, k.job_prefix), (
+            job.id, job.payload, job.max_attempts, job.attempts, job.gen, job.priority,
+            job.group, debounce_ms, max_wait_ms, "replace" if replace else "make"))
+        state = reply[2] if len(reply) > 2 else ""
+        return Debounced(DebounceOutcome(int(reply[0])), int(reply[1]), state or "")
 
     # -- staff actions ---------------------------------------------------
 

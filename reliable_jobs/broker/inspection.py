@@ -201,6 +201,26 @@ class Inspection(BrokerCore):
             pipe.zrem(workers_index(self.prefix), worker_id)
             pipe.execute()
 
+    def next_due_in_ms(self, queues: Sequence[str]) -> int | None:
+        """How long until the earliest scheduled job of ``queues`` is due, in ms on Redis's
+        clock (0: one is due now); None when none is scheduled.
+
+        When the sweep should promote next, so a job runs at its due time
+        rather than up to a sweep interval after it (a debounced job, a
+        ``run_after``, a retry). A hint only: promote.lua decides what is due.
+        """
+        if not queues:
+            return None
+        with self.client.pipeline(transaction=False) as pipe:
+            for queue in queues:
+                pipe.zrange(self.keys(queue).scheduled, 0, 0, withscores=True)
+            firsts = pipe.execute(raise_on_error=False)
+        dues = [int(found[0][1]) for found in firsts
+                if not isinstance(found, Exception) and found]
+        if not dues:
+            return None
+        return max(0, min(dues) - self.server_time_ms())
+
     def server_time_ms(self) -> int:
         seconds, micros = self.client.time()
         return int(seconds) * 1000 + int(micros) // 1000

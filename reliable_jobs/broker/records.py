@@ -73,6 +73,27 @@ class NewJob:
     group: str = ""
 
 
+class DebounceOutcome(IntEnum):
+    """What debounce.lua did with a call (its first reply)."""
+
+    #: The job was pending (never claimed, still scheduled): it has the call's payload now.
+    REPLACED = 2
+    #: Redis did not hold the job: it was made, with the call's payload.
+    MADE = 1
+    #: The job is queued, running or ended (or another incarnation of it): untouched.
+    REFUSED = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Debounced:
+    """debounce.lua's answer: what it did, and the due time (ms, Redis's clock; 0 if refused)."""
+
+    outcome: DebounceOutcome
+    due_ms: int
+    #: The state the script found when it refused ('' when no hash).
+    state: str = ""
+
+
 @dataclass(frozen=True, slots=True)
 class Progress:
     """Where a job hash says its job is: the hash's state ('queued',

@@ -61,6 +61,7 @@ run waits for that commit, so it lands after the action's, never under it.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -107,8 +108,8 @@ from .records import (
 
 __all__ = [
     "ABANDONED_ERROR", "CANCELLED_ERROR", "FINISHED_STATES", "LOCKED_ELSEWHERE", "LOSS_OUTCOMES",
-    "MAX_ATTEMPT", "RAN_OUTCOMES", "TERMINAL_STATES", "AttemptRecord", "NewJobs", "NewRow",
-    "RowState", "UniqueRule", "bury", "cancelled_record", "delete_jobs", "existing",
+    "MAX_ATTEMPT", "RAN_OUTCOMES", "TERMINAL_STATES", "Absorb", "AttemptRecord", "NewJobs",
+    "NewRow", "RowState", "UniqueRule", "bury", "cancelled_record", "delete_jobs", "existing",
     "expired_record", "follow_held_generation", "grace_cutoff", "insert_jobs",
     "lock_for_recovery", "lock_job", "lock_prunable", "lock_recent_cancels",
     "lock_unfinished", "mark_cancelled", "mark_priority", "mark_queued_again", "mark_rebuilt",
@@ -135,6 +136,11 @@ _UNIQUE_ROUNDS = 5
 #: (a JobState value), by job id; a job Redis does not hold is left out.
 StatesInRedis = Callable[[Sequence[Job]], Mapping[str, str]]
 
+#: Asked, for a debounced task, to give an equal call to the job holding its
+#: key (the holder's row, locked; the call's row): the holder's new run_after
+#: if Redis took the call (the job was still pending), else None.
+Absorb = Callable[[Job, NewRow], datetime | None]
+
 
 @dataclass(frozen=True, slots=True)
 class UniqueRule:
@@ -151,6 +157,9 @@ class UniqueRule:
     window_ms: int
     while_running: bool
     states_in_redis: StatesInRedis
+    #: A debounced task's: the holder counts only if it takes the call (see
+    #: :func:`_absorbed`); the window and the states above are not asked.
+    absorb: Absorb | None = None
 
 
 def insert_jobs(using: str, new: NewJobs, *, unique: UniqueRule | None = None) -> dict[str, Job]:
@@ -209,6 +218,11 @@ def _insert_unique(using: str, new: NewJobs, rule: UniqueRule) -> dict[str, Job]
         if not taken:
             break
         found = _key_holders(using, [str(row[4]) for row in taken])
+        if rule.absorb is not None:
+            pending = _absorb_calls(using, taken, found, rule.absorb, holders)
+            if not pending:
+                break
+            continue
         states = _states_now(using, found, window, rule.while_running, now,
                              rule.states_in_redis)
         pending, stale = [], []
@@ -229,6 +243,55 @@ def _insert_unique(using: str, new: NewJobs, rule: UniqueRule) -> dict[str, Job]
             f"Could not settle the unique keys of {len(pending)} job(s) in {_UNIQUE_ROUNDS} "
             "rounds: their holders kept changing. Enqueue them again.")
     return holders
+
+
+def _absorb_calls(using: str, taken: Sequence[NewRow], found: dict[str, Job], absorb: Absorb,
+                  holders: dict[str, Job]) -> list[NewRow]:
+    """Give each call whose key is taken to the key's holder; the calls to insert again.
+
+    A holder that took its call goes into ``holders`` (its row as written
+    now); one that did not (it left the pending state) gives its key up,
+    and its call is inserted in its place.
+    """
+    pending, stale = [], []
+    for row in taken:
+        holder = found.get(str(row[4]))
+        taker = None if holder is None else _absorbed(using, holder, row, absorb)
+        if taker is not None:
+            holders[str(row[4])] = taker
+            continue
+        if holder is not None:
+            stale.append(holder.pk)
+        pending.append(row)
+    _release_keys(using, stale)
+    return pending
+
+
+def _absorbed(using: str, holder: Job, row: NewRow, absorb: Absorb) -> Job | None:
+    """The holder's row with the call's arguments and run_after, if its job took the call.
+
+    The row is locked (and read again) before Redis is asked and written in
+    the same transaction (the caller's, or one of its own): a worker's
+    record about the job, and an equal call in another process, wait for
+    it, so the row's arguments are always those of the run Redis holds. A
+    row that no longer waits (it runs, ended, or lost its key) is not asked
+    about. The run keeps its first enqueue time, and its key.
+    """
+    with transaction.atomic(using=using, savepoint=False):
+        locked = (Job.objects.using(using).select_for_update(no_key=True)
+                  .filter(pk=holder.pk, unique_key=row[4],
+                          state__in=(JobState.QUEUED, JobState.SCHEDULED)).first())
+        if locked is None:
+            return None
+        run_after = absorb(locked, row)
+        if run_after is None:
+            return None
+        locked.args, locked.kwargs = json.loads(row[2]), json.loads(row[3])
+        locked.run_after, locked.state = run_after, JobState.SCHEDULED
+        Job.objects.using(using).filter(pk=locked.pk).update(
+            args=locked.args, kwargs=locked.kwargs, run_after=run_after, state=locked.state,
+            updated_at=Now())
+    return locked
 
 
 def _insert_keyed(using: str, new: NewJobs) -> set[str]:

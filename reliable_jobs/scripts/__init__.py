@@ -24,6 +24,7 @@ SCRIPT_NAMES = (
     "ack",
     "cancel",
     "claim",
+    "debounce",
     "enqueue",
     "expired",
     "extend",

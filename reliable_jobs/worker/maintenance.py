@@ -26,10 +26,15 @@ logger = logging.getLogger("reliable_jobs.worker")
 RECONCILE_EVERY_S = 30.0
 #: Reconcile batches per pass from a worker (the cursor goes on next time).
 RECONCILE_BATCHES = 10
+#: The soonest a sweep follows the one before it when a scheduled job is due
+#: (its promote is the sweep's), in seconds: due jobs in a stream (retries,
+#: debounced runs) cost at most this many passes a second.
+EARLIEST_SWEEP_S = 0.02
 
 
 class Maintenance:
-    """A thread that sweeps every ``sweep_interval_ms`` and reconciles every 30 s."""
+    """A thread that sweeps every ``sweep_interval_ms`` (sooner when a scheduled job is
+    due before then, so it starts on time) and reconciles every 30 s."""
 
     def __init__(self, *, sweep: Sweep, database: str, sweep_interval_ms: int,
                  reconcile_grace_ms: int, shared: Shared,
@@ -59,37 +64,42 @@ class Maintenance:
             now = time.monotonic()
             if now >= next_sweep:
                 next_sweep = now + self.sweep_interval_s
-                self.sweep_once()
+                due_in_s = self.sweep_once()
+                if due_in_s is not None:  # sweep again when the next scheduled job is due
+                    next_sweep = min(next_sweep, now + max(due_in_s, EARLIEST_SWEEP_S))
             if now >= self._next_reconcile:
                 self._next_reconcile = now + RECONCILE_EVERY_S
                 self.reconcile()
             self.stopping.wait(max(0.01, min(next_sweep, self._next_reconcile)
                                    - time.monotonic()))
 
-    def sweep_once(self) -> None:
+    def sweep_once(self) -> float | None:
         """Recover and promote every shard (the sweep mirrors what recover did).
 
         Done under ``retry_gate``: an executor about to run a retried job
         (which this very pass may have requeued) waits for the gate, so a
         poison job cannot kill this process before the history of its
-        previous attempt is written.
+        previous attempt is written. Returns in how many seconds the next
+        scheduled job is due (None: none is, or Redis did not say).
         """
         with self.retry_gate:
             try:
                 physical = self.sweep.physical_queues()
                 self.shared.physical = physical
                 report = self.sweep.redis_pass(physical)
+                due_in_ms = self.sweep.parts.broker.next_due_in_ms(physical)
             except REDIS_ERRORS as exc:
                 self.redis_outage.failed(exc, "sweeping")
-                return
+                return None
             except (DatabaseError, InterfaceError) as exc:
                 self.db_outage.failed(exc, "sweeping")
                 connections[self.database].close()
-                return
+                return None
         if report.requeued or report.dead or report.garbage or report.settled:
             logger.info("Sweep: %s.", report)
         if self.on_pass is not None:
             self.on_pass()
+        return None if due_in_ms is None else due_in_ms / 1000
 
     def reconcile(self) -> None:
         try:

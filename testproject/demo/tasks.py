@@ -155,6 +155,18 @@ def unique_add(a: int, b: int) -> int:
     return a + b
 
 
+@task(unique_for_ms=60_000, unique_by=["key"], debounce_ms=2_000)
+def debounced_note(key: str, n: int) -> int:
+    """Return ``n``: calls with one ``key`` make one run, 2 s after the last, with its ``n``."""
+    return n
+
+
+@task(unique_for_ms=60_000, unique_by=["key"], debounce_ms=2_000, max_wait_ms=5_000)
+def throttled_note(key: str, n: int) -> int:
+    """Like ``debounced_note``, but while calls keep coming a run starts at least every 5 s."""
+    return n
+
+
 @task
 def leave_a_thread(seconds: float) -> None:
     """Start a non-daemon thread that outlives the task by ``seconds`` (as some libraries do).

@@ -33,6 +33,7 @@ LAYERS: dict[str, int] = {
     "reliable_jobs.models": 2, "reliable_jobs.mirror": 2, "reliable_jobs.results": 2,
     "reliable_jobs.tasks": 2, "reliable_jobs.unique": 2, "reliable_jobs.taskstats": 2,
     "reliable_jobs.logformat": 2, "reliable_jobs.fairness": 2, "reliable_jobs.canvas": 2,
+    "reliable_jobs.debounce": 2,
     # 3 services: what joins broker and mirror (the backend, enqueue, sweeps, schedules).
     "reliable_jobs.backend": 3, "reliable_jobs.newjobs": 3, "reliable_jobs.sweep": 3,
     "reliable_jobs.staff": 3, "reliable_jobs.retention": 3, "reliable_jobs.periodic.scheduler": 3,
