@@ -90,8 +90,8 @@ if TYPE_CHECKING:
 
     class _TaskDecorator(Protocol):
         """django.tasks.task as the stubs type it, plus ReliableTask's options
-        (which task() passes on to the backend's task_class), unique ones and
-        fair_key included."""
+        (which task() passes on to the backend's task_class), unique, fair_key and
+        debounce ones included."""
 
         @overload
         def __call__[**P, R](
@@ -104,6 +104,7 @@ if TYPE_CHECKING:
             unique_while_running: bool = False, rate_limit: str | None = None,
             concurrency: int | None = None, rate_key: Callable[..., Any] | None = None,
             concurrency_key: Callable[..., Any] | None = None, fair_key: FairKey | None = None,
+            debounce_ms: int | None = None, max_wait_ms: int | None = None,
         ) -> Task[P, R]: ...
         @overload
         def __call__[**P, R](
@@ -116,6 +117,7 @@ if TYPE_CHECKING:
             unique_while_running: bool = False, rate_limit: str | None = None,
             concurrency: int | None = None, rate_key: Callable[..., Any] | None = None,
             concurrency_key: Callable[..., Any] | None = None, fair_key: FairKey | None = None,
+            debounce_ms: int | None = None, max_wait_ms: int | None = None,
         ) -> Task[P, R]: ...
         @overload
         def __call__[**P, R](
@@ -128,6 +130,7 @@ if TYPE_CHECKING:
             unique_while_running: bool = False, rate_limit: str | None = None,
             concurrency: int | None = None, rate_key: Callable[..., Any] | None = None,
             concurrency_key: Callable[..., Any] | None = None, fair_key: FairKey | None = None,
+            debounce_ms: int | None = None, max_wait_ms: int | None = None,
         ) -> Callable[[Callable[Concatenate[TaskContext[Any, Any], P], R]], Task[P, R]]: ...
         @overload
         def __call__[**P, R](
@@ -140,6 +143,7 @@ if TYPE_CHECKING:
             unique_while_running: bool = False, rate_limit: str | None = None,
             concurrency: int | None = None, rate_key: Callable[..., Any] | None = None,
             concurrency_key: Callable[..., Any] | None = None, fair_key: FairKey | None = None,
+            debounce_ms: int | None = None, max_wait_ms: int | None = None,
         ) -> Callable[[Callable[P, R]], Task[P, R]]: ...
 
     task: _TaskDecorator
