@@ -13,7 +13,10 @@ in the group's order). What a dependent does when a job it waits for ends
 dead or cancelled is its ``on_failure`` policy: ``"cancel"`` (the default:
 it is cancelled, and so, in turn, are the jobs that wait for it) or
 ``"run"`` (it runs once every job it waits for has ended; a failed one's
-place in its results holds ``{"failed": state, "job": id, "error": ...}``).
+place in its results holds ``{"failed": state, "job": id, "error": ...}``)
+or ``"only"`` (a callback on failure: it runs as soon as the first job it
+waits for fails, and is cancelled as not needed when they all succeed).
+:func:`batch` puts the three kinds of callback on a group.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from .compat import InvalidTask, Task, task_backends
 ENQUEUE: dict[str, Callable[..., Any]] = {}
 
 #: The on_failure policies (models.OnFailure's values).
-POLICIES = ("cancel", "run")
+POLICIES = ("cancel", "run", "only")
 #: How an upstream's result reaches its dependent (models.PassResult's values).
 PASS_NO, PASS_VALUE, PASS_LIST = 0, 1, 2
 
@@ -52,7 +55,8 @@ class Signature:
         return replace(self, results=True)
 
     def if_failed(self, policy: str) -> Signature:
-        """This call, with ``policy`` (``"cancel"`` or ``"run"``) for a failed upstream."""
+        """This call, with ``policy`` (``"cancel"``, ``"run"`` or ``"only"``) for a failed
+        upstream."""
         if policy not in POLICIES:
             raise InvalidTask(f"on_failure must be one of {POLICIES}, not {policy!r}.")
         return replace(self, on_failure=policy)
@@ -147,6 +151,33 @@ def chord(header: Group | Sequence[Part], callback: Signature) -> Chain:
     """``callback`` once every part of ``header`` has succeeded: exactly once, never early."""
     members = header if isinstance(header, Group) else group(*header)
     return Chain((members, callback))
+
+
+def batch(members: Group | Sequence[Part], *, on_success: Signature | None = None,
+          on_complete: Signature | None = None, on_death: Signature | None = None) -> Chain:
+    """A group with callbacks, each waiting for every member (a chord with up to three).
+
+    - ``on_success`` runs once every member succeeded (a chord's callback;
+      cancelled if one ends dead or cancelled);
+    - ``on_complete`` runs once every member has ended, whatever the outcome
+      (policy ``"run"``);
+    - ``on_death`` runs as soon as the first member ends dead or cancelled,
+      once, and is cancelled as not needed if every member succeeds (policy
+      ``"only"``).
+
+    Which runs is decided by the database, in the transaction of the write
+    that settles it (``mirror/dependencies.py``). The callbacks' results come
+    after the members', in the order given here.
+    """
+    callbacks = [call for call in (on_success, (on_complete and on_complete.if_failed("run")),
+                                   (on_death and on_death.if_failed("only"))) if call is not None]
+    if not callbacks:
+        raise InvalidTask("A batch needs at least one callback: on_success, on_complete or "
+                          "on_death (a group alone is a batch without callbacks).")
+    if not all(isinstance(call, Signature) for call in callbacks):
+        raise InvalidTask("A batch's callbacks are task.s(...) calls.")
+    members = members if isinstance(members, Group) else group(*members)
+    return Chain((members, callbacks[0] if len(callbacks) == 1 else Group(tuple(callbacks))))
 
 
 class DAG:

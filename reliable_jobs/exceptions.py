@@ -92,6 +92,15 @@ class UpstreamFailed(Exception):
     """A job this one waited for ended dead or cancelled, so it was cancelled."""
 
 
+class CallbackNotNeeded(Exception):
+    """A callback on failure (``if_failed("only")``) whose jobs all succeeded: never run.
+
+    Recorded on the callback, cancelled, so its workflow ends; counted apart
+    from the failures (``workflows.progress()``'s ``skipped``), and never
+    run again by ``workflows.retry_failed()``.
+    """
+
+
 class AttemptsExhausted(Exception):
     """Recorded for a job claimed ``max_attempts`` times without ever finishing.
 

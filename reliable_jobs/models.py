@@ -317,6 +317,11 @@ class Workflow(models.Model):
         verbose_name = _("workflow")
         verbose_name_plural = _("workflows")
         ordering = ["-created_at"]
+        # The admin's two workflow actions, each granted on its own (workflows.py).
+        permissions = [
+            ("retry_workflow", _("Can retry a workflow from its failed jobs")),
+            ("cancel_workflow", _("Can cancel the rest of a workflow")),
+        ]
 
     def __str__(self) -> str:
         return self.name or str(self.id)
@@ -327,6 +332,9 @@ class OnFailure(models.TextChoices):
 
     CANCEL = "cancel", _("Cancel the dependent job")
     RUN = "run", _("Run it anyway, the failure passed to it")
+    #: A callback on failure: released by the first failed upstream, cancelled
+    #: as not needed (CallbackNotNeeded) once every upstream succeeded.
+    ONLY = "only", _("Run it only if one fails, as soon as one does")
 
 
 class PassResult(models.IntegerChoices):

@@ -16,19 +16,25 @@ broker:
   that made jobs runnable) and pushes them. If the process dies first, the
   rows are queued with no Redis job, and reconcile pushes them once its
   grace has passed (crash point ``released_before_push``).
+- :func:`progress` counts a workflow's jobs; :func:`retry_failed` and
+  :func:`cancel_rest` act on a whole workflow through the staff actions
+  (``staff.py``), so fencing and the mirror's rules stay those of one job.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from django.db import transaction
-from django.db.models import Count
+from django.db.models import Count, Q
 from django.utils import timezone
 
+from . import staff
 from .broker import REDIS_ERRORS, epoch_ms
 from .canvas import PASS_LIST, PASS_NO, Plan, WorkflowHandle
 from .compat import InvalidTask, Task, TaskResult
@@ -37,10 +43,12 @@ from .jobids import new_job_id
 from .mirror import dependencies, rebuilt_job
 from .models import Job, JobState, Workflow
 from .newjobs import PUSH_CHUNK
+from .staff import StaffResult
 
 if TYPE_CHECKING:
     from .backend import ReliableJobsBackend
     from .newjobs import Calls
+    from .parts import BackendParts
 
 logger = logging.getLogger("reliable_jobs")
 
@@ -145,10 +153,136 @@ def push_released(sender: Any, *, using: str, job_ids: Sequence[str], **kwargs: 
 
 
 def progress(workflow_id: Any, *, using: str = "default") -> dict[str, int]:
-    """A workflow's jobs by state, with ``total``, ``done`` (succeeded) and ``failed``
-    (dead or cancelled): readable while it runs, one grouped count."""
-    counts = dict(Job.objects.using(using).filter(workflow_id=workflow_id).order_by()
-                  .values_list("state").annotate(n=Count("pk")).values_list("state", "n"))
+    """A workflow's jobs by state, with ``total``, ``done`` (succeeded), ``failed`` (dead
+    or cancelled) and ``skipped`` (callbacks on failure not needed, as every job they
+    waited for succeeded: cancelled, but no failure): readable while it runs, one
+    grouped count. The workflow has ended when done + failed + skipped == total."""
+    not_needed = Q(last_error__startswith=dependencies.NOT_NEEDED, state=JobState.CANCELLED)
+    rows = (Job.objects.using(using).filter(workflow_id=workflow_id).order_by()
+            .values_list("state").annotate(n=Count("pk"), skipped=Count("pk", filter=not_needed))
+            .values_list("state", "n", "skipped"))
+    counts: dict[str, int] = {}
+    skipped = 0
+    for state, n, unneeded in rows:
+        counts[state] = n
+        skipped += unneeded
     return {**counts, "total": sum(counts.values()),
             "done": counts.get(JobState.SUCCEEDED, 0),
-            "failed": counts.get(JobState.DEAD, 0) + counts.get(JobState.CANCELLED, 0)}
+            "failed": counts.get(JobState.DEAD, 0) + counts.get(JobState.CANCELLED, 0) - skipped,
+            "skipped": skipped}
+
+
+@dataclass(frozen=True, slots=True)
+class WorkflowAction:
+    """What :func:`retry_failed` or :func:`cancel_rest` did to one workflow.
+
+    ``acted``: the outcome of each job acted on through ``staff`` (retried,
+    or cancelled through Redis), done or refused with the reason;
+    ``waiting``: the jobs made to wait again (retry) or cancelled while they
+    waited (cancel); ``left``: jobs the action leaves as they are, with why.
+    """
+
+    workflow_id: str
+    verb: str
+    acted: list[StaffResult] = field(default_factory=list)
+    waiting: list[str] = field(default_factory=list)
+    left: str = ""
+
+    @property
+    def done(self) -> list[StaffResult]:
+        return [outcome for outcome in self.acted if outcome.done]
+
+    @property
+    def refused(self) -> list[StaffResult]:
+        return [outcome for outcome in self.acted if not outcome.done]
+
+    @property
+    def message(self) -> str:
+        """One sentence an admin message can show as it is."""
+        if self.verb == "retried":
+            said = (f"Workflow {self.workflow_id}: {len(self.done)} dead job(s) queued again, "
+                    f"{len(self.waiting)} job(s) cancelled by a failure waiting again")
+        else:
+            said = (f"Workflow {self.workflow_id}: {len(self.waiting)} waiting job(s) and "
+                    f"{len(self.done)} queued, scheduled or running job(s) cancelled")
+        if self.refused:
+            said += f"; {len(self.refused)} not changed ({self.refused[0].message})"
+        return said + (f"; {self.left}." if self.left else ".")
+
+
+#: Rounds of cancel_rest: a job released by a member ending during one
+#: (pushed just after that commit) is cancelled by the next.
+CANCEL_ROUNDS = 3
+
+
+def retry_failed(workflow_id: Any, *, backend: str = "default") -> WorkflowAction:
+    """Run a workflow again from its failures: its dead jobs, then what they cancelled.
+
+    Each dead job is retried as staff retry one (``staff.retry``: fenced,
+    a fresh attempt budget, rebuilt if Redis lost it); then the jobs that
+    a failure cancelled wait again for the jobs that may now succeed
+    (``dependencies.put_back``), and run once those succeed, each exactly
+    once, as they would have. Jobs cancelled by staff, or by ``cancel_rest``,
+    stay cancelled (requeue one from the job list to run it); so do the
+    jobs whose failed upstream is not run again.
+    """
+    rj = _find(backend)
+    database = rj.database
+    dead = [str(pk) for pk in Job.objects.using(database).filter(
+        workflow_id=workflow_id, state=JobState.DEAD).order_by("pk").values_list("pk", flat=True)]
+    acted = [_staff(rj.parts, staff.retry, job_id) for job_id in dead]
+    waiting = dependencies.put_back(database, workflow_id)
+    kept = (Job.objects.using(database).filter(workflow_id=workflow_id, state=JobState.CANCELLED)
+            .exclude(last_error__startswith=dependencies.NOT_NEEDED).count())
+    left = f"{kept} cancelled job(s) stay cancelled" if kept else ""
+    return WorkflowAction(str(workflow_id), "retried", acted, waiting, left)
+
+
+def cancel_rest(workflow_id: Any, *, backend: str = "default") -> WorkflowAction:
+    """Cancel every job of a workflow that has not finished; nothing of it runs after.
+
+    The waiting jobs first, all in one transaction
+    (``dependencies.cancel_waiting``: none is released by another's cancel),
+    then each queued, scheduled or running job as staff cancel one
+    (``staff.cancel``: taken off Redis, or a running one stopped by its
+    worker). A job released meanwhile by a member that ended is caught by
+    the next round; a job Redis does not hold yet is reported as not changed.
+    """
+    rj = _find(backend)
+    database = rj.database
+    waiting: list[str] = []
+    acted: dict[str, StaffResult] = {}
+    for round_ in range(CANCEL_ROUNDS):
+        waiting += dependencies.cancel_waiting(database, workflow_id)
+        rest = [str(pk) for pk in Job.objects.using(database).filter(
+            workflow_id=workflow_id, state__in=(JobState.QUEUED, JobState.SCHEDULED,
+                                                JobState.RUNNING))
+            .order_by("pk").values_list("pk", flat=True)]
+        if not rest:
+            break
+        for job_id in rest:
+            if not acted.get(job_id, _NOT_YET).done:
+                acted[job_id] = _staff(rj.parts, staff.cancel, job_id)
+        if all(outcome.done for outcome in acted.values()):
+            break
+        time.sleep(0.1 * (round_ + 1))  # a release's push follows its commit closely
+    return WorkflowAction(str(workflow_id), "cancelled", list(acted.values()), waiting)
+
+
+_NOT_YET = StaffResult("", False, "")
+
+
+def _find(alias: str) -> ReliableJobsBackend:
+    from .backend import find_backend  # same layer, deferred as in push_released
+
+    return find_backend(alias)
+
+
+def _staff(parts: BackendParts, action: Callable[[BackendParts, Any], StaffResult],
+           job_id: str) -> StaffResult:
+    """One staff action on one job; Redis not answering is a refusal, as in the admin."""
+    try:
+        return action(parts, job_id)
+    except REDIS_ERRORS as exc:
+        return StaffResult(job_id, False, f"Redis did not answer ({exc}): job {job_id} was "
+                           "not changed.")

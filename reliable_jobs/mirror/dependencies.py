@@ -16,7 +16,10 @@ records its last dependency's end, so a fan-in fires exactly once:
   (it can fire neither twice nor never);
 - an edge whose upstream ended dead or cancelled cancels its dependent
   under the ``cancel`` policy (and, in the same loop, the jobs that wait for
-  that one), or counts as settled under ``run``;
+  that one), or counts as settled under ``run``; under ``only`` (a callback
+  on failure) it releases the dependent at once, and the write that settles
+  the last edge of one whose upstreams all succeeded cancels it as not
+  needed (``CallbackNotNeeded``);
 - the jobs made runnable are announced by :data:`jobs_released` once the
   transaction has committed (``workflows.py`` pushes them). A push lost to
   a crash leaves a queued row Redis lacks: reconcile pushes it after its
@@ -42,8 +45,8 @@ from django.db.models.functions import Now
 from django.dispatch import Signal
 from django.utils import timezone
 
-from ..exceptions import UpstreamFailed, class_path
-from ..models import Dependency, Job, JobState, OnFailure, PassResult
+from ..exceptions import CallbackNotNeeded, UpstreamFailed, class_path
+from ..models import Dependency, Job, JobState, OnFailure, PassResult, Workflow
 from .records import FINISHED_STATES, chunks, new_state
 
 #: Sent after a commit that made waiting jobs runnable: ``using`` (the
@@ -120,10 +123,16 @@ def settle(using: str, job_ids: Iterable[str]) -> list[str]:
         frontier = []
         counts: dict[str, int] = defaultdict(int)
         failed: dict[str, str] = {}
+        only: set[str] = set()  # callbacks on failure (policy "only")
+        fired: set[str] = set()  # ... one of whose upstreams failed now
         for _, job, upstream, policy, _ in settled:
             counts[str(job)] += 1
             state = ended[str(upstream)][0]
-            if state != JobState.SUCCEEDED and policy == OnFailure.CANCEL:
+            if policy == OnFailure.ONLY:
+                only.add(str(job))
+                if state != JobState.SUCCEEDED:
+                    fired.add(str(job))
+            elif state != JobState.SUCCEEDED and policy == OnFailure.CANCEL:
                 failed.setdefault(str(job), f"job {upstream} ended {state}")
         for job_id, waiting_for, run_after in _lock_waiting(using, sorted(counts)):
             left = max(0, waiting_for - counts[job_id])
@@ -133,9 +142,17 @@ def settle(using: str, job_ids: Iterable[str]) -> list[str]:
                             updated_at=Now(), last_error=f"{class_path(UpstreamFailed)}: "
                             f"{failed[job_id]}, so this job was cancelled")
                 frontier.append(job_id)  # its own dependents are settled in the next round
-            elif left == 0:
+            elif job_id in fired or (left == 0 and job_id not in only):
+                # A callback on failure runs at the first failure, under this row
+                # lock: a second failure's write waits, then finds it no longer waiting.
                 _release(using, job_id, run_after)
                 released.append(job_id)
+            elif left == 0:
+                rows.update(state=JobState.CANCELLED, waiting_for=0, finished_at=timezone.now(),
+                            updated_at=Now(), last_error=f"{class_path(CallbackNotNeeded)}: "
+                            "every job it waited for succeeded, so this callback on failure "
+                            "was not needed")
+                frontier.append(job_id)
             else:
                 rows.update(waiting_for=left)
     if released:
@@ -219,3 +236,109 @@ def _release(using: str, job_id: str, run_after: Any) -> None:
         # Through JSON once: what the worker decodes is exactly what was stored.
         changes["args"] = [json.loads(json.dumps(first)), *args]
     rows.update(**changes)
+
+
+#: The error :func:`settle` writes on a job it cancels because an upstream
+#: failed, and on a callback on failure it cancels as not needed: how
+#: :func:`put_back` and ``workflows.progress()`` tell them from staff cancels.
+UPSTREAM_FAILED = f"{class_path(UpstreamFailed)}:"
+NOT_NEEDED = f"{class_path(CallbackNotNeeded)}:"
+#: States of an upstream that may still succeed (or did): a dependent it
+#: cancelled may wait for it again.
+MAY_SUCCEED = (JobState.WAITING, JobState.SCHEDULED, JobState.QUEUED, JobState.RUNNING,
+               JobState.SUCCEEDED)
+_FAILED_EDGE = (JobState.DEAD, JobState.CANCELLED)
+
+
+def put_back(using: str, workflow_id: Any) -> list[str]:
+    """Make the jobs of a workflow that a failure cancelled wait again; their ids.
+
+    ``workflows.retry_failed`` calls it once the dead jobs are queued again.
+    A job cancelled by :func:`settle` (its error ``UpstreamFailed``) waits
+    again when every failed upstream that cancelled it may now succeed (it
+    is queued, running, waiting... or succeeded meanwhile) or is put back
+    here too; its edges to those upstreams are unsettled again, and its
+    ``waiting_for`` is the count of its unsettled edges. Jobs staff
+    cancelled stay cancelled, and so do the jobs whose failed upstream stays
+    failed (dead and not retried, cancelled by staff).
+
+    One transaction, the protocol of ``after=``: the workflow's row first
+    (two put-backs of one workflow run one after the other), the cancelled
+    rows, then a share lock on every upstream (:func:`lock_upstreams`): an
+    upstream ending now either committed first (seen ended here, and
+    :func:`settle` settles the edge at once, releasing the job if it was the
+    last) or waits for this commit (and its own settle sees the edge).
+    """
+    with transaction.atomic(using=using):
+        list(Workflow.objects.using(using).select_for_update().filter(pk=workflow_id)
+             .values_list("pk", flat=True))
+        cancelled = [str(pk) for pk in Job.objects.using(using).select_for_update(no_key=True)
+                     .filter(workflow_id=workflow_id, state=JobState.CANCELLED,
+                             last_error__startswith=UPSTREAM_FAILED)
+                     .order_by("pk").values_list("pk", flat=True)]
+        if not cancelled:
+            return []
+        edges: dict[str, list[tuple[Any, str, str, str]]] = defaultdict(list)
+        for ids in chunks(cancelled):
+            for pk, dependent, upstream, state, policy in Dependency.objects.using(using).filter(
+                    job_id__in=ids).values_list("pk", "job_id", "upstream_id", "state",
+                                                "on_failure"):
+                edges[str(dependent)].append((pk, str(upstream), state, policy))
+        upstreams = sorted({edge[1] for job_edges in edges.values() for edge in job_edges})
+        lock_upstreams(using, upstreams)
+        now_in: dict[str, str] = {str(pk): state for ids in chunks(upstreams) for pk, state in
+                                  Job.objects.using(using).filter(pk__in=ids)
+                                  .values_list("pk", "state")}
+        back = set(cancelled)
+
+        def may_succeed(upstream: str) -> bool:
+            return upstream in back or now_in.get(upstream) in MAY_SUCCEED
+
+        shrinking = True
+        while shrinking:  # the largest set whose every cause may now succeed
+            shrinking = False
+            for job in sorted(back):
+                if any(state in _FAILED_EDGE and policy == OnFailure.CANCEL
+                       and not may_succeed(upstream) for _, upstream, state, policy in edges[job]):
+                    back.discard(job)
+                    shrinking = True
+        reset: list[Any] = []
+        by_count: dict[int, list[str]] = defaultdict(list)
+        for job in sorted(back):
+            again = [pk for pk, upstream, state, _ in edges[job]
+                     if state in _FAILED_EDGE and may_succeed(upstream)]
+            reset.extend(again)
+            by_count[len(again) + sum(state == "" for _, _, state, _ in edges[job])].append(job)
+        for ids in chunks(reset):
+            Dependency.objects.using(using).filter(pk__in=ids).update(state="", result=None)
+        for waiting_for, jobs in by_count.items():
+            for ids in chunks(jobs):
+                Job.objects.using(using).filter(pk__in=ids).update(
+                    state=JobState.WAITING, waiting_for=waiting_for, finished_at=None,
+                    last_error="", updated_at=Now())
+        # Upstreams that succeeded meanwhile: their edges settle (and may release) now.
+        settle(using, sorted({upstream for job in back for _, upstream, state, _ in edges[job]
+                              if now_in.get(upstream) == JobState.SUCCEEDED}))
+        return sorted(back)
+
+
+def cancel_waiting(using: str, workflow_id: Any) -> list[str]:
+    """Cancel, in one transaction, every job of a workflow that still waits; their ids.
+
+    What ``staff.cancel`` does to one waiting job (``mark_cancelled``), for
+    all of them at once: they are locked in id order, as :func:`settle`
+    locks waiting jobs, so a write releasing one of them at this moment
+    either committed first (the job is no longer waiting, and is left to
+    the caller's cancel through Redis) or waits and finds it cancelled.
+    None of them is then released by another's cancel: all go together.
+    """
+    with transaction.atomic(using=using):
+        waiting = [str(pk) for pk in Job.objects.using(using).select_for_update(no_key=True)
+                   .filter(workflow_id=workflow_id, state=JobState.WAITING)
+                   .order_by("pk").values_list("pk", flat=True)]
+        now = timezone.now()
+        for ids in chunks(waiting):
+            Job.objects.using(using).filter(pk__in=ids).update(
+                state=JobState.CANCELLED, finished_at=now, updated_at=Now())
+        settle(using, waiting)  # jobs outside the workflow (after=) may wait for them
+        return waiting

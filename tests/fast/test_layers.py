@@ -26,6 +26,7 @@ LAYERS: dict[str, int] = {
     "reliable_jobs.scripts": 0, "reliable_jobs.reachability": 0, "reliable_jobs.cancellation": 0,
     "reliable_jobs.periodic.timetable": 0, "reliable_jobs.periodic.declared": 0,
     "reliable_jobs.periodic": 0, "reliable_jobs.flow": 0, "reliable_jobs.callargs": 0,
+    "reliable_jobs.graphlayers": 0,
     # 1 broker: the Redis side, and what only observes it.
     "reliable_jobs.broker": 1, "reliable_jobs.handoff": 1, "reliable_jobs.telemetry": 1,
     "reliable_jobs.tracing": 1, "reliable_jobs.parts": 1,
@@ -45,7 +46,8 @@ LAYERS: dict[str, int] = {
     "reliable_jobs.admin": 5, "reliable_jobs.adminparts": 5, "reliable_jobs.changelist": 5,
     "reliable_jobs.dashboard": 5, "reliable_jobs.flowstats": 5,
     "reliable_jobs.taskpage": 5, "reliable_jobs.schedule_admin": 5,
-    "reliable_jobs.workflow_admin": 5, "reliable_jobs.health": 5,
+    "reliable_jobs.workflow_admin": 5, "reliable_jobs.workflow_svg": 5,
+    "reliable_jobs.health": 5,
     "reliable_jobs.metrics": 5, "reliable_jobs.urls": 5, "reliable_jobs.queuepause": 5,
     # 6 ops: checks, management commands, app config, the verification app.
     "reliable_jobs.checks": 6, "reliable_jobs.management": 6, "reliable_jobs.apps": 6,
