@@ -169,13 +169,13 @@ def batch(members: Group | Sequence[Part], *, on_success: Signature | None = Non
     that settles it (``mirror/dependencies.py``). The callbacks' results come
     after the members', in the order given here.
     """
-    callbacks = [call for call in (on_success, (on_complete and on_complete.if_failed("run")),
-                                   (on_death and on_death.if_failed("only"))) if call is not None]
-    if not callbacks:
+    given = {"cancel": on_success, "run": on_complete, "only": on_death}
+    if not any(call is not None for call in given.values()):
         raise InvalidTask("A batch needs at least one callback: on_success, on_complete or "
                           "on_death (a group alone is a batch without callbacks).")
-    if not all(isinstance(call, Signature) for call in callbacks):
+    if not all(call is None or isinstance(call, Signature) for call in given.values()):
         raise InvalidTask("A batch's callbacks are task.s(...) calls.")
+    callbacks = [call.if_failed(policy) for policy, call in given.items() if call is not None]
     members = members if isinstance(members, Group) else group(*members)
     return Chain((members, callbacks[0] if len(callbacks) == 1 else Group(tuple(callbacks))))
 
