@@ -202,7 +202,7 @@ def test_retry_from_failed_makes_a_failed_chord_complete_with_one_callback_run(
     # Given: a chord whose second member died, so its callback was cancelled
     flow = chord(group(demo.add.s(1, 1), demo.add.s(2, 2), demo.add.s(3, 3)),
                  demo.total.s(extra=100).with_results()).enqueue()
-    a, b, c, callback = flow.results
+    a, b, _c, callback = flow.results
     run_attempt(backend, a.id, outcome="succeeded")
     make_dead(backend, b.id, attempts=1)
     assert row(callback).state == JobState.CANCELLED
@@ -237,7 +237,7 @@ def test_retry_failed_puts_back_a_cascade_and_leaves_staff_cancels(
     a, b, c = flow.results
     make_dead(backend, a.id, attempts=1)
     other = chain(demo.add.s(5, 5), demo.add.s(6, 6)).enqueue()
-    d, e = other.results
+    d, _e = other.results
     staff.cancel(backend.parts, d.id)
 
     # When
@@ -318,7 +318,7 @@ def test_cancel_the_rest_leaves_nothing_runnable(
     # callbacks on success and on completion waiting
     flow = batch([demo.add.s(1, 1), demo.add.s(2, 2), demo.add.s(3, 3)],
                  on_success=demo.total.s(), on_complete=demo.total.s()).enqueue()
-    a, b, c, on_success, on_complete = flow.results
+    a, b, _c, on_success, on_complete = flow.results
     run_attempt(backend, a.id, outcome="succeeded")
     run_attempt(backend, b.id, outcome="running")
     attempts = Attempt.objects.count()
