@@ -41,6 +41,8 @@ STATES: dict[str, tuple[str, str]] = {
     "not_needed": ("not needed", "#9ca3af"),
 }
 ORDER = list(STATES)
+#: States whose colour is light: dark text on them.
+LIGHT = ("upstream_failed", "not_needed")
 
 #: Geometry, in pixels.
 COLUMN, ROW, BOX_W, BOX_H, PAD = 230, 48, 190, 38, 12
@@ -136,5 +138,6 @@ def state_table(counts: dict[str, int], total: int) -> SafeString:
 def legend() -> SafeString:
     """The colours, once, above the drawing."""
     return format_html_join(
-        mark_safe(" "), '<span class="rj-badge" style="background:{}">{}</span>',
-        ((c, text) for text, c in STATES.values()))
+        mark_safe(" "), '<span class="rj-badge" style="background:{};color:{}">{}</span>',
+        ((c, "#111827" if state in LIGHT else "#fff", text)
+         for state, (text, c) in STATES.items()))
