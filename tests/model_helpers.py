@@ -340,6 +340,12 @@ class QueueMachine(RuleBasedStateMachine):
         upstreams, policy = self.upstreams[job_id]
         ok = (JobState.SUCCEEDED,) if policy == "cancel" else FINISHED_STATES
         states = dict(Job.objects.filter(pk__in=upstreams).values_list("pk", "state"))
+        if policy == "only":  # a callback on death: once one of them failed (or staff moved it)
+            if not any(states.get(uuid.UUID(u)) in (JobState.DEAD, JobState.CANCELLED)
+                       or u in self.staff_moved for u in upstreams):
+                self.fail(f"job {job_id} (on_failure=only) starts (attempt {attempt}) though "
+                          "no job it waits for failed")
+            return
         for upstream in upstreams:
             state = states.get(uuid.UUID(upstream))
             if state not in ok and upstream not in self.staff_moved:
@@ -456,7 +462,7 @@ class QueueMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.jobs and len(self.jobs) < 6)
     @rule(picks=st.lists(st.integers(0, 10), min_size=1, max_size=3),
-          policy=st.sampled_from(["cancel", "cancel", "run"]), lose_release=st.booleans())
+          policy=st.sampled_from(["cancel", "cancel", "run", "only"]), lose_release=st.booleans())
     def enqueue_after(self, picks: list[int], policy: str, lose_release: bool) -> None:
         """A job waiting for up to three jobs (``after=``), in a transaction.
 
@@ -1038,10 +1044,10 @@ class QueueMachine(RuleBasedStateMachine):
                           "for it was never settled")
             if state == "":
                 unsettled[job] = unsettled.get(job, 0) + 1
-            elif (state != JobState.SUCCEEDED and policy == "cancel" and job in rows
+            elif (state != JobState.SUCCEEDED and policy in ("cancel", "only") and job in rows
                   and rows[job].state == JobState.WAITING):
                 self.fail(f"job {job} still waits although job {upstream} ended {state} "
-                          "(on_failure=cancel)")
+                          f"(on_failure={policy})")
         for job_id, row in rows.items():
             if row.state != JobState.WAITING:
                 continue
