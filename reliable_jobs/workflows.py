@@ -244,9 +244,10 @@ def cancel_rest(workflow_id: Any, *, backend: str = "default") -> WorkflowAction
     The waiting jobs first, all in one transaction
     (``dependencies.cancel_waiting``: none is released by another's cancel),
     then each queued, scheduled or running job as staff cancel one
-    (``staff.cancel``: taken off Redis, or a running one stopped by its
-    worker). A job released meanwhile by a member that ended is caught by
-    the next round; a job Redis does not hold yet is reported as not changed.
+    (``staff.cancel_many``: ``staff.cancel``'s rules, a chunk per
+    transaction: taken off Redis, or a running one stopped by its worker).
+    A job released meanwhile by a member that ended is caught by the next
+    round; a job Redis does not hold yet is reported as not changed.
     """
     rj = _find(backend)
     database = rj.database
@@ -260,9 +261,15 @@ def cancel_rest(workflow_id: Any, *, backend: str = "default") -> WorkflowAction
             .order_by("pk").values_list("pk", flat=True)]
         if not rest:
             break
-        for job_id in rest:
-            if not acted.get(job_id, _NOT_YET).done:
-                acted[job_id] = _staff(rj.parts, staff.cancel, job_id)
+        todo = [job_id for job_id in rest if not acted.get(job_id, _NOT_YET).done]
+        try:
+            acted.update((outcome.job_id, outcome)
+                         for outcome in staff.cancel_many(rj.parts, todo))
+        except REDIS_ERRORS as exc:
+            acted.update((job_id, StaffResult(job_id, False, f"Redis did not answer ({exc}): "
+                                              f"job {job_id} was not changed."))
+                         for job_id in todo if job_id not in acted)
+            break
         if all(outcome.done for outcome in acted.values()):
             break
         time.sleep(0.1 * (round_ + 1))  # a release's push follows its commit closely

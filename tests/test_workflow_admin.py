@@ -432,3 +432,31 @@ def test_a_batch_needs_a_callback_made_of_calls() -> None:
         batch([demo.add.s(1, 1)])
     with pytest.raises(InvalidTask):
         batch([demo.add.s(1, 1)], on_death=chain(demo.add.s(1, 1)))  # type: ignore[arg-type]
+
+
+def test_cancel_many_applies_cancels_rules_and_sentences_to_each_job(
+        backend: ReliableJobsBackend, redis_client: redis.Redis) -> None:
+    # Given: a succeeded job, a running one, a queued one, a waiting one, and a gone id
+    done, running, queued, upstream = (demo.add.enqueue(i, i) for i in range(4))
+    run_attempt(backend, done.id, outcome="succeeded")
+    run_attempt(backend, running.id, outcome="running")
+    waiting = demo.add.using(after=[upstream]).enqueue(9, 9)
+    gone = "01234567-89ab-7def-8123-456789abcdef"
+
+    # When
+    outcomes = staff.cancel_many(backend.parts, [done.id, running.id, queued.id, waiting.id,
+                                                 gone])
+
+    # Then: each as staff.cancel says it, in the order asked
+    assert [o.message for o in outcomes] == [
+        f"Job {done.id} has finished (succeeded): there is nothing to cancel.",
+        f"Job {running.id} was cancelled while running: its worker stops it and it will not "
+        "run again.",
+        f"Job {queued.id} was cancelled (queued, taken off Redis): it will not run.",
+        f"Job {waiting.id} was cancelled while it waited for other jobs: it will not run, nor "
+        "will the jobs waiting for it.",
+        f"Job {gone} no longer exists (pruned?).",
+    ]
+    assert [row(r).state for r in (done, running, queued, waiting, upstream)] == [
+        "succeeded", "cancelled", "cancelled", "cancelled", "queued"]
+    assert redis_client.hget(KEYS.job(queued.id), "state") == "cancelled"
