@@ -43,6 +43,8 @@ STATES: dict[str, tuple[str, str]] = {
 ORDER = list(STATES)
 #: States whose colour is light: dark text on them.
 LIGHT = ("upstream_failed", "not_needed")
+#: What a box says where the whole label does not fit (the legend says it whole).
+SHORT = {"upstream_failed": "upstream failed"}
 
 #: Geometry, in pixels.
 COLUMN, ROW, BOX_W, BOX_H, PAD = 230, 48, 190, 38, 12
@@ -92,7 +94,7 @@ def draw(nodes: Sequence[Node], edges: Sequence[Edge], url: Callable[[str], str]
         '<text x="{}" y="{}" class="rj-node-state">{} \u00b7 {}</text></a>',
         ((url(job), states[job], tasks[job], job, label(states[job]), x, y, BOX_W, BOX_H,
           colour(states[job]), x + 8, y + 15, task_name(tasks[job]), x + 8, y + 31,
-          label(states[job]), short_id(job))
+          SHORT.get(states[job], label(states[job])), short_id(job))
          for job, (x, y) in where.items()))
     return format_html(
         '<div class="rj-graph"><svg xmlns="http://www.w3.org/2000/svg" role="img" '
