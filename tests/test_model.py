@@ -438,3 +438,20 @@ def test_snoozes_never_use_up_a_jobs_attempts(model_settings: None) -> None:
         lambda m: m.claim(k=0, count=1, start=True),
         lambda m: m.finish(index=0, outcome="succeeded", ack_now=True),
     )
+
+
+def test_a_capped_job_cancelled_with_a_failing_commit_gives_its_slot_back(
+        model_settings: None) -> None:
+    """A capped job is moved off queued (BLMOVE), every lease runs out, a second
+    capped job arrives and staff cancel it while the cancel's COMMIT fails: no
+    concurrency slot may stay counted once every job ended. (The sweep leased
+    the stale landing copy of the job, which reconcile had rebuilt and a claim
+    had run: the lease made its old running-set entry count again.)"""
+    replay(
+        lambda m: m.first_jobs(deferred=[True]),
+        lambda m: m.enqueue_capped(),
+        lambda m: m.land(k=0),
+        lambda m: m.pause(),
+        lambda m: m.enqueue_capped(),
+        lambda m: m.staff_action("cancel", commit_fails=True, index=1),
+    )

@@ -61,7 +61,10 @@
   An id on landing with no lease (its worker died between BLMOVE and the
   claim script) is stamped with a lease the first time it is seen, and comes
   back when that expires without being charged an attempt: its state is
-  still 'queued' because no claim ever ran. Landing holds only ids between
+  still 'queued' because no claim ever ran. An id on landing whose job has
+  already ended (finished, dead or cancelled: a stale copy, the job was run
+  from another push) leaves landing at once, unleased, so it never counts
+  again in a concurrency cap's running set. Landing holds only ids between
   a BLMOVE and the claim that follows it, so this costs the same however
   many jobs are in flight. An id on the legacy processing list (where
   version 0.1 kept claimed ids; left there by an upgrade, or written there
@@ -224,6 +227,9 @@ local function held_back(job_id)
   return allowed[job_id] ~= job[2] .. ':' .. (job[4] or '0')
 end
 
+-- The states of a job that will not run again unless staff act on it.
+local ENDED_STATES = { finished = true, dead = true, cancelled = true }
+
 local expired = redis.call('ZRANGEBYSCORE', leases_key, '-inf', now, 'LIMIT', 0, limit)
 for _, job_id in ipairs(expired) do
   if not held_back(job_id) then
@@ -279,7 +285,21 @@ end
 local stamped = 0
 if limit > 0 then
   for _, job_id in ipairs(redis.call('LRANGE', landing_key, 0, limit - 1)) do
-    stamped = stamped + redis.call('ZADD', leases_key, 'NX', now + lease_ms, job_id)
+    local state = redis.call('HGET', job_prefix .. job_id, 'state')
+    if ENDED_STATES[state] and not redis.call('ZSCORE', leases_key, job_id) then
+      -- A stale copy of a job that already ended (a claim took it from
+      -- queued after the id was left here): it leaves landing now. Leased,
+      -- it would count again in its concurrency cap's running set (a slot
+      -- held by a finished job) until that lease ran out.
+      redis.call('LREM', landing_key, 1, job_id)
+      local gen = redis.call('HGET', job_prefix .. job_id, 'gen') or '0'
+      if state == 'cancelled' and redis.call('PTTL', job_prefix .. job_id) == -1 then
+        leave_tombstone(job_id, 'cancelled', gen, tombstone_ms)
+      end
+      report(job_id, 0, 1, 'dropped', count_of(gen, 0))
+    else
+      stamped = stamped + redis.call('ZADD', leases_key, 'NX', now + lease_ms, job_id)
+    end
   end
   -- The legacy processing list, a slice per call: each id moves into
   -- leases (keeping a lease it has), so it is recovered when that expires.
