@@ -1328,12 +1328,12 @@ def test_a_cancelled_id_moved_by_blmove_is_dropped_by_the_claim(broker: Broker) 
 
 
 def test_a_cancelled_id_whose_worker_died_on_landing_leaves_a_tombstone(broker: Broker) -> None:
-    # Given a queued job cancelled, then moved onto landing by a worker that
-    # died before its claim (the sweep leases the orphan, and the lease expires)
+    # Given a queued job moved onto landing by a worker that died before its
+    # claim, leased there by the sweep, then cancelled (the lease expires)
     enqueue(broker, "a")
-    assert broker.cancel(Q, "a") == (True, "queued")
     assert broker.wait([Q], timeout_s=1.0) == (Q, "a")
     assert broker.recover(Q, lease_ms=SHORT_LEASE_MS).stamped == 1
+    assert broker.cancel(Q, "a") == (True, "queued")
     wait_past(broker, leases(broker)["a"])
 
     # When the sweep recovers it
@@ -1341,7 +1341,45 @@ def test_a_cancelled_id_whose_worker_died_on_landing_leaves_a_tombstone(broker: 
 
     # Then the id is dropped from everywhere, its hash a tombstone that
     # refuses a late push of the job
-    assert result.outcomes == [RecoveredJob("a", 0, "dropped")]
+    assert_dropped_as_a_tombstone(broker, result.outcomes)
+
+
+def test_a_cancelled_id_on_landing_leaves_at_once_as_a_tombstone(broker: Broker) -> None:
+    # Given a queued job cancelled, then moved onto landing by a worker that
+    # died before its claim
+    enqueue(broker, "a")
+    assert broker.cancel(Q, "a") == (True, "queued")
+    assert broker.wait([Q], timeout_s=1.0) == (Q, "a")
+
+    # When the sweep first sees it
+    result = broker.recover(Q, lease_ms=SHORT_LEASE_MS)
+
+    # Then it is not leased (a lease would count it in a concurrency cap's
+    # running set) but dropped at once, its hash a tombstone
+    assert result.stamped == 0
+    assert_dropped_as_a_tombstone(broker, result.outcomes)
+
+
+def test_a_landing_copy_of_a_finished_job_is_dropped_unleased(broker: Broker) -> None:
+    # Given a rebuilt job (generation 1) run from queued (claimed, acked: a
+    # 'finished' tombstone) while a stale copy of its id waits on landing, as
+    # a reconcile push and a dead worker's BLMOVE leave it
+    enqueue(broker, "a", gen=1)
+    claimed = broker.claim(Q, count=1, lease_ms=60_000).jobs
+    broker.client.lpush(broker.keys(Q).landing, "a")
+    broker.ack(Q, [claimed[0].fence])
+
+    # When the sweep sees the landing copy
+    result = broker.recover(Q, lease_ms=SHORT_LEASE_MS)
+
+    # Then it leaves landing without a lease, the tombstone kept
+    assert result.stamped == 0
+    assert (landing(broker), leases(broker)) == ([], {})
+    assert hash_of(broker, "a") == {"state": "finished", "gen": "1"}
+
+
+def assert_dropped_as_a_tombstone(broker: Broker, outcomes: list[RecoveredJob]) -> None:
+    assert outcomes == [RecoveredJob("a", 0, "dropped")]
     assert (queued(broker), landing(broker), leases(broker)) == ([], [], {})
     assert hash_of(broker, "a") == {"state": "cancelled", "gen": "0"}
     assert 0 < broker.client.pttl(broker.keys(Q).job("a")) <= TOMBSTONE_MS
